@@ -1,0 +1,361 @@
+//! Consolidation and versioning: pure decisions over plain data
+//! (nTangle's semantics).
+
+use std::collections::HashMap;
+
+use serde_json::{Map, Value};
+use skein_common::json::etag;
+use skein_common::{ChangePosition, ChangeRecord, Op, RootKey};
+
+/// All changes of one aggregate in one batch, folded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Consolidated {
+    /// Entity name.
+    pub entity: String,
+    /// Root key.
+    pub key: RootKey,
+    /// The first operation in position order.
+    pub first_op: Op,
+    /// Whether any operation was a delete of the root.
+    pub has_delete: bool,
+    /// Position of the last change.
+    pub last_position: ChangePosition,
+    /// Latest commit time among the changes (µs since the Unix epoch).
+    pub commit_time_micros: i64,
+    /// How many records were folded.
+    pub records: usize,
+}
+
+/// Folds records per (entity, root key), keeping first-seen order.
+/// Records must be in position order (the transport guarantees it per key).
+pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
+    let mut out: Vec<Consolidated> = vec![];
+    let mut index: HashMap<(&str, &RootKey), usize> = HashMap::new();
+    for r in records {
+        match index.get(&(r.entity.as_str(), &r.root_key)) {
+            Some(i) => {
+                let c = &mut out[*i];
+                c.has_delete |= r.op == Op::Delete;
+                c.last_position = c.last_position.max(r.position);
+                c.commit_time_micros = c.commit_time_micros.max(r.commit_time_micros);
+                c.records += 1;
+            }
+            None => {
+                index.insert((r.entity.as_str(), &r.root_key), out.len());
+                out.push(Consolidated {
+                    entity: r.entity.clone(),
+                    key: r.root_key.clone(),
+                    first_op: r.op,
+                    has_delete: r.op == Op::Delete,
+                    last_position: r.position,
+                    commit_time_micros: r.commit_time_micros,
+                    records: 1,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The aggregate as the source holds it now.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Current {
+    /// The root row does not exist.
+    Missing,
+    /// The root exists.
+    Present {
+        /// Entity JSON (root columns, children nested).
+        data: Value,
+        /// Entity JSON with `exclude_columns_from_etag` removed: the hash input.
+        etag_input: Value,
+        /// The logical-delete column is true.
+        is_deleted: bool,
+    },
+}
+
+/// The version row stored for an aggregate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// Last published etag (`None` after a delete).
+    pub etag: Option<String>,
+    /// Last published event was a delete.
+    pub is_deleted: bool,
+}
+
+/// Event action.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// A new aggregate (or re-created after a delete).
+    Created,
+    /// A changed aggregate.
+    Updated,
+    /// A removed (or logically deleted) aggregate.
+    Deleted,
+}
+
+/// What to publish for one aggregate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The action.
+    pub action: Action,
+    /// Event data.
+    pub data: Value,
+    /// Version hash; `None` for deletes.
+    pub etag: Option<String>,
+}
+
+/// What a delete event carries besides the key.
+#[derive(Clone, Debug, Default)]
+pub struct DeletePayload {
+    /// The key as typed JSON (`{"id": 5}`), built from the root key.
+    pub key_data: Map<String, Value>,
+    /// Root columns kept on a logical delete.
+    pub include_columns_on_delete: Vec<String>,
+}
+
+/// Decides the event for one consolidated aggregate, or `None` for no event.
+///
+/// * gone (or logically deleted) and a delete in the batch, or logically
+///   deleted → **delete**, unless the stored version is already a delete;
+/// * gone without a delete in this batch → nothing (the delete is on its way);
+/// * present → the first op decides create/update (create, too, when the
+///   stored version is a delete); an etag equal to the stored one → nothing.
+pub fn decide(
+    c: &Consolidated,
+    current: &Current,
+    stored: Option<&Stored>,
+    delete: &DeletePayload,
+) -> Option<Decision> {
+    let already_deleted = stored.is_some_and(|s| s.is_deleted);
+    match current {
+        Current::Missing => {
+            if !c.has_delete || already_deleted {
+                return None;
+            }
+            Some(Decision {
+                action: Action::Deleted,
+                data: Value::Object(delete.key_data.clone()),
+                etag: None,
+            })
+        }
+        Current::Present {
+            data,
+            is_deleted: true,
+            ..
+        } => {
+            if already_deleted {
+                return None;
+            }
+            let mut payload = delete.key_data.clone();
+            if let Value::Object(row) = data {
+                for col in &delete.include_columns_on_delete {
+                    if let Some(v) = row.get(col) {
+                        payload.insert(col.clone(), v.clone());
+                    }
+                }
+            }
+            Some(Decision {
+                action: Action::Deleted,
+                data: Value::Object(payload),
+                etag: None,
+            })
+        }
+        Current::Present {
+            data,
+            etag_input,
+            is_deleted: false,
+        } => {
+            let tag = etag(etag_input);
+            if let Some(s) = stored {
+                if !s.is_deleted && s.etag.as_deref() == Some(tag.as_str()) {
+                    return None;
+                }
+            }
+            let action = if c.first_op == Op::Insert || already_deleted {
+                Action::Created
+            } else {
+                Action::Updated
+            };
+            Some(Decision {
+                action,
+                data: data.clone(),
+                etag: Some(tag),
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use skein_common::PgLsn;
+
+    use super::*;
+
+    fn rec(key: &str, op: Op, seq: u32) -> ChangeRecord {
+        ChangeRecord {
+            entity: "customer".into(),
+            root_key: RootKey(vec![Some(key.into())]),
+            table: "public.customer".into(),
+            op,
+            position: ChangePosition {
+                commit: PgLsn(10),
+                seq,
+            },
+            tx_id: 1,
+            commit_time_micros: i64::from(seq),
+        }
+    }
+
+    fn present(v: Value) -> Current {
+        Current::Present {
+            data: v.clone(),
+            etag_input: v,
+            is_deleted: false,
+        }
+    }
+
+    fn payload() -> DeletePayload {
+        let mut key_data = Map::new();
+        key_data.insert("id".into(), json!(1));
+        DeletePayload {
+            key_data,
+            include_columns_on_delete: vec!["name".into()],
+        }
+    }
+
+    fn one(ops: &[Op]) -> Consolidated {
+        let recs: Vec<_> = ops
+            .iter()
+            .enumerate()
+            .map(|(i, op)| rec("1", *op, i as u32))
+            .collect();
+        let c = consolidate(&recs);
+        assert_eq!(c.len(), 1);
+        c[0].clone()
+    }
+
+    #[test]
+    fn consolidation_keeps_first_op_and_any_delete() {
+        let recs = vec![
+            rec("1", Op::Insert, 0),
+            rec("2", Op::Update, 1),
+            rec("1", Op::Delete, 2),
+        ];
+        let c = consolidate(&recs);
+        assert_eq!(c.len(), 2);
+        assert_eq!(
+            (c[0].first_op, c[0].has_delete, c[0].records),
+            (Op::Insert, true, 2)
+        );
+        assert_eq!(c[0].last_position.seq, 2);
+        assert_eq!((c[1].first_op, c[1].has_delete), (Op::Update, false));
+    }
+
+    #[test]
+    fn update_then_delete_publishes_delete() {
+        let d = decide(
+            &one(&[Op::Update, Op::Delete]),
+            &Current::Missing,
+            None,
+            &payload(),
+        )
+        .unwrap();
+        assert_eq!(d.action, Action::Deleted);
+        assert_eq!(d.data, json!({"id": 1}));
+        assert_eq!(d.etag, None);
+    }
+
+    #[test]
+    fn create_update_then_delete_publishes_one_delete() {
+        let d = decide(
+            &one(&[Op::Insert, Op::Update, Op::Delete]),
+            &Current::Missing,
+            None,
+            &payload(),
+        );
+        assert_eq!(d.unwrap().action, Action::Deleted);
+    }
+
+    #[test]
+    fn create_update_with_upcoming_delete_publishes_nothing() {
+        assert_eq!(
+            decide(
+                &one(&[Op::Insert, Op::Update]),
+                &Current::Missing,
+                None,
+                &payload()
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn multiple_changes_publish_one_create() {
+        let d = decide(
+            &one(&[Op::Insert, Op::Update, Op::Update]),
+            &present(json!({"id": 1})),
+            None,
+            &payload(),
+        )
+        .unwrap();
+        assert_eq!(d.action, Action::Created);
+        assert!(d.etag.is_some());
+    }
+
+    #[test]
+    fn same_version_publishes_nothing_and_changed_version_updates() {
+        let cur = present(json!({"id": 1, "name": "a"}));
+        let Current::Present { etag_input, .. } = &cur else {
+            unreachable!()
+        };
+        let stored = Stored {
+            etag: Some(etag(etag_input)),
+            is_deleted: false,
+        };
+        assert_eq!(
+            decide(&one(&[Op::Update]), &cur, Some(&stored), &payload()),
+            None
+        );
+        let changed = present(json!({"id": 1, "name": "b"}));
+        let d = decide(&one(&[Op::Update]), &changed, Some(&stored), &payload()).unwrap();
+        assert_eq!(d.action, Action::Updated);
+    }
+
+    #[test]
+    fn recreate_after_delete_is_a_create_and_repeated_delete_is_silent() {
+        let stored = Stored {
+            etag: None,
+            is_deleted: true,
+        };
+        let d = decide(
+            &one(&[Op::Update]),
+            &present(json!({"id": 1})),
+            Some(&stored),
+            &payload(),
+        )
+        .unwrap();
+        assert_eq!(d.action, Action::Created);
+        assert_eq!(
+            decide(
+                &one(&[Op::Delete]),
+                &Current::Missing,
+                Some(&stored),
+                &payload()
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn logical_delete_keeps_key_and_included_columns() {
+        let cur = Current::Present {
+            data: json!({"id": 1, "name": "a", "email": "x"}),
+            etag_input: json!({}),
+            is_deleted: true,
+        };
+        let d = decide(&one(&[Op::Update]), &cur, None, &payload()).unwrap();
+        assert_eq!(d.action, Action::Deleted);
+        assert_eq!(d.data, json!({"id": 1, "name": "a"}));
+    }
+}

@@ -1,0 +1,53 @@
+//! Errors of `skein-applier`.
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can stop an applier or the relay.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A query against the source or the sidecar failed.
+    #[error("{context}: {source}")]
+    Db {
+        context: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// Another applier moved this partition's progress: this one is a zombie
+    /// and wrote nothing.
+    #[error(
+        "partition {partition}: progress moved to {found:?} while this applier expected {expected:?}; \
+         the batch was rolled back (another applier owns the partition)"
+    )]
+    Fenced {
+        partition: u32,
+        expected: Option<i64>,
+        found: Option<i64>,
+    },
+    /// A row from the source could not be turned into JSON.
+    #[error("{0}")]
+    Data(String),
+    /// The sink could not take the events.
+    #[error("sink: {message}")]
+    Sink {
+        message: String,
+        #[source]
+        source: Option<std::io::Error>,
+    },
+}
+
+impl Error {
+    /// Connection trouble may pass; fencing, bad data and sink errors need a
+    /// restart or a person.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Db { source, .. } => source.is_closed() || source.as_db_error().is_none(),
+            _ => false,
+        }
+    }
+}
+
+pub(crate) fn db(context: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> Error {
+    let context = context.into();
+    move |source| Error::Db { context, source }
+}

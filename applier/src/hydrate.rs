@@ -1,0 +1,293 @@
+//! Hydration: the latest state of a batch of aggregates, one query per table
+//! of the entity per batch (never one per key), nested into entity JSON.
+
+use std::collections::HashMap;
+
+use serde_json::{Map, Value};
+use skein_common::config::{Cardinality, EntityConfig, TableNode};
+use skein_common::RootKey;
+use skein_sql::postgres::hydrate_sql;
+use skein_sql::Catalog;
+
+use crate::decide::{Current, DeletePayload};
+use crate::error::{db, Error, Result};
+
+/// Session settings that make every value format fixed, whatever the
+/// server's defaults (timestamps are formatted explicitly too).
+pub const SESSION_SETTINGS: &str =
+    "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'iso_8601'; SET extra_float_digits = 1";
+
+/// Precomputed queries and shapes for one entity.
+#[derive(Clone, Debug)]
+pub struct EntityHydrator {
+    entity: EntityConfig,
+    nodes: Vec<TableNode>,
+    sql: Vec<String>,
+    root_key: Vec<String>,
+    root_key_types: Vec<String>,
+}
+
+/// One hydrated row of a node.
+struct Row {
+    ord: i64,
+    link: Vec<Option<String>>,
+    refs: HashMap<String, Option<String>>,
+    data: Value,
+    etag_input: Value,
+    is_deleted: bool,
+}
+
+impl EntityHydrator {
+    /// Renders the entity's queries once.
+    pub fn new(entity: &EntityConfig, catalog: &Catalog) -> EntityHydrator {
+        let nodes = entity.nodes();
+        let sql = (0..nodes.len())
+            .map(|i| hydrate_sql(entity, &nodes, i, catalog))
+            .collect();
+        let root_key = catalog.key_columns(&nodes[0]);
+        let root_key_types = root_key
+            .iter()
+            .map(|c| {
+                catalog
+                    .node(&nodes[0])
+                    .and_then(|t| t.column(c))
+                    .map(|c| c.type_name.clone())
+                    .unwrap_or_default()
+            })
+            .collect();
+        EntityHydrator {
+            entity: entity.clone(),
+            nodes,
+            sql,
+            root_key,
+            root_key_types,
+        }
+    }
+
+    /// The entity config.
+    pub fn entity(&self) -> &EntityConfig {
+        &self.entity
+    }
+
+    /// The SQL run for each node (root first), for logs and golden tests.
+    pub fn queries(&self) -> &[String] {
+        &self.sql
+    }
+
+    /// What a delete of `key` carries: the key as typed JSON plus the
+    /// configured `include_columns_on_delete`.
+    pub fn delete_payload(&self, key: &RootKey) -> DeletePayload {
+        let mut key_data = Map::new();
+        for ((col, ty), v) in self.root_key.iter().zip(&self.root_key_types).zip(&key.0) {
+            key_data.insert(col.clone(), typed_key_value(ty, v.as_deref()));
+        }
+        DeletePayload {
+            key_data,
+            include_columns_on_delete: self.entity.include_columns_on_delete.clone(),
+        }
+    }
+
+    /// Reads the current state of every key, in the order given.
+    pub async fn hydrate(
+        &self,
+        client: &tokio_postgres::Client,
+        keys: &[RootKey],
+    ) -> Result<Vec<Current>> {
+        if keys.is_empty() {
+            return Ok(vec![]);
+        }
+        let arrays: Vec<Vec<Option<String>>> = (0..self.root_key.len())
+            .map(|c| keys.iter().map(|k| k.0.get(c).cloned().flatten()).collect())
+            .collect();
+        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
+            .iter()
+            .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
+        for (i, sql) in self.sql.iter().enumerate() {
+            let rows = client
+                .query(sql.as_str(), &params)
+                .await
+                .map_err(db(format!("hydrating {}", self.nodes[i].qualified())))?;
+            let mut out = Vec::with_capacity(rows.len());
+            for r in rows {
+                let link: String = r.get(1);
+                let refs: String = r.get(2);
+                let data: Option<String> = r.get(3);
+                let parse = |s: &str, what: &str| {
+                    serde_json::from_str::<Value>(s).map_err(|e| {
+                        Error::Data(format!(
+                            "{}: bad {what} JSON from the source: {e}",
+                            self.nodes[i].qualified()
+                        ))
+                    })
+                };
+                let link: Vec<Option<String>> = serde_json::from_value(parse(&link, "link")?)
+                    .map_err(|e| Error::Data(e.to_string()))?;
+                let refs: HashMap<String, Option<String>> =
+                    serde_json::from_value(parse(&refs, "refs")?)
+                        .map_err(|e| Error::Data(e.to_string()))?;
+                let data = match data {
+                    Some(d) => parse(&d, "row")?,
+                    None => Value::Null,
+                };
+                let mut etag_input = data.clone();
+                if let Value::Object(m) = &mut etag_input {
+                    for c in &self.nodes[i].exclude_columns_from_etag {
+                        m.remove(c);
+                    }
+                }
+                out.push(Row {
+                    ord: r.get(0),
+                    link,
+                    refs,
+                    data,
+                    etag_input,
+                    is_deleted: r.get(4),
+                });
+            }
+            per_node.push(out);
+        }
+        Ok(assemble(&self.nodes, per_node, keys.len()))
+    }
+}
+
+/// Nests child rows under their parents, deepest first.
+fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) -> Vec<Current> {
+    for i in (1..nodes.len()).rev() {
+        let child = &nodes[i];
+        let parent = child.parent.unwrap_or(0);
+        let rows = std::mem::take(&mut per_node[i]);
+        // (root ordinal, join values) → that parent's children as (data, etag input)
+        type Children = HashMap<(i64, Vec<Option<String>>), Vec<(Value, Value)>>;
+        let mut by_link: Children = HashMap::new();
+        for r in rows {
+            by_link
+                .entry((r.ord, r.link))
+                .or_default()
+                .push((r.data, r.etag_input));
+        }
+        let ref_cols: Vec<&str> = child.on.iter().map(|o| o.to_column.as_str()).collect();
+        for prow in per_node[parent].iter_mut() {
+            if prow.data.is_null() {
+                continue;
+            }
+            let link: Vec<Option<String>> = ref_cols
+                .iter()
+                .map(|c| prow.refs.get(*c).cloned().flatten())
+                .collect();
+            let kids = by_link.get(&(prow.ord, link)).cloned().unwrap_or_default();
+            let (data, etag): (Vec<Value>, Vec<Value>) = kids.into_iter().unzip();
+            let (dv, ev) = match child.cardinality {
+                Cardinality::OneToMany => (Value::Array(data), Value::Array(etag)),
+                Cardinality::OneToOne => (
+                    data.into_iter().next().unwrap_or(Value::Null),
+                    etag.into_iter().next().unwrap_or(Value::Null),
+                ),
+            };
+            if let Value::Object(m) = &mut prow.data {
+                m.insert(child.name.clone(), dv);
+            }
+            if let Value::Object(m) = &mut prow.etag_input {
+                m.insert(child.name.clone(), ev);
+            }
+        }
+    }
+    let mut out = vec![Current::Missing; key_count];
+    for r in std::mem::take(&mut per_node[0]) {
+        let idx = (r.ord - 1) as usize;
+        if idx < key_count && !r.data.is_null() {
+            out[idx] = Current::Present {
+                data: r.data,
+                etag_input: r.etag_input,
+                is_deleted: r.is_deleted,
+            };
+        }
+    }
+    out
+}
+
+/// A key column's text as the JSON value the hydration query would give
+/// (numbers and booleans typed, everything else a string).
+pub fn typed_key_value(type_name: &str, text: Option<&str>) -> Value {
+    let Some(t) = text else { return Value::Null };
+    match type_name {
+        "int2" | "int4" | "int8" => t
+            .parse::<i64>()
+            .map(Value::from)
+            .unwrap_or_else(|_| Value::String(t.into())),
+        "bool" => Value::Bool(t == "t" || t == "true"),
+        _ => Value::String(t.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use skein_common::Config;
+
+    use super::*;
+
+    #[test]
+    fn assemble_nests_three_levels_in_order() {
+        let cfg = Config::from_yaml(
+            r#"
+source: { kind: postgres, url: x }
+entities:
+  - name: customer
+    table: customer
+    joins:
+      - { name: addresses, table: address, on: [{ name: customer_id, to_column: id }] }
+      - { name: lines, table: address_line, join_to: addresses, on: [{ name: address_id, to_column: id }] }
+      - { name: profile, table: profile, cardinality: one_to_one, on: [{ name: customer_id, to_column: id }] }
+"#,
+            "t",
+        )
+        .unwrap();
+        let nodes = cfg.entities[0].nodes();
+        let row = |ord, link: Vec<&str>, refs: Vec<(&str, &str)>, data: Value| Row {
+            ord,
+            link: link.into_iter().map(|s| Some(s.to_string())).collect(),
+            refs: refs
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), Some(v.to_string())))
+                .collect(),
+            etag_input: data.clone(),
+            data,
+            is_deleted: false,
+        };
+        let per_node = vec![
+            vec![
+                row(1, vec![], vec![("id", "1")], json!({"id": 1})),
+                Row {
+                    data: Value::Null,
+                    etag_input: Value::Null,
+                    ..row(2, vec![], vec![], Value::Null)
+                },
+            ],
+            vec![
+                row(1, vec!["1"], vec![("id", "10")], json!({"id": 10})),
+                row(1, vec!["1"], vec![("id", "11")], json!({"id": 11})),
+            ],
+            vec![row(1, vec!["11"], vec![], json!({"n": 1}))],
+            vec![],
+        ];
+        let out = assemble(&nodes, per_node, 2);
+        let Current::Present { data, .. } = &out[0] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            data,
+            &json!({"id": 1, "profile": null, "addresses": [{"id": 10, "lines": []}, {"id": 11, "lines": [{"n": 1}]}]})
+        );
+        assert_eq!(out[1], Current::Missing);
+    }
+
+    #[test]
+    fn key_values_are_typed_like_hydrated_values() {
+        assert_eq!(typed_key_value("int4", Some("5")), json!(5));
+        assert_eq!(typed_key_value("bool", Some("t")), json!(true));
+        assert_eq!(typed_key_value("uuid", Some("a-b")), json!("a-b"));
+        assert_eq!(typed_key_value("text", None), Value::Null);
+    }
+}

@@ -1,0 +1,81 @@
+//! The relay: outbox → sink, at least once with a stable event id.
+
+use std::time::Duration;
+
+use skein_common::failpoint::failpoint;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, info_span, Instrument};
+
+use crate::error::{db, Result};
+use crate::sidecar::PgSidecar;
+use crate::sink::Sink;
+
+/// Sends at most `limit` pending outbox rows in id order and marks them
+/// dequeued in the same transaction, after the sink has them. Returns how
+/// many were sent. Rows locked by another relay are skipped.
+pub async fn relay_once(sidecar: &mut PgSidecar, sink: &mut dyn Sink, limit: i64) -> Result<usize> {
+    let q = sidecar.schema_ident().to_string();
+    let client = sidecar.client();
+    let tx = client
+        .transaction()
+        .await
+        .map_err(db("beginning the relay transaction"))?;
+    let rows = tx
+        .query(
+            &format!(
+                "SELECT id, event FROM {q}.\"outbox\" WHERE dequeued_at IS NULL \
+                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+            ),
+            &[&limit],
+        )
+        .await
+        .map_err(db("reading the outbox"))?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    let events: Vec<String> = rows.iter().map(|r| r.get(1)).collect();
+    sink.send(&events)?;
+    failpoint("relay.after_send_before_mark");
+    tx.execute(
+        &format!("UPDATE {q}.\"outbox\" SET dequeued_at = clock_timestamp() WHERE id = ANY($1)"),
+        &[&ids],
+    )
+    .await
+    .map_err(db("marking outbox rows dequeued"))?;
+    tx.commit()
+        .await
+        .map_err(db("committing the relay transaction"))?;
+    Ok(ids.len())
+}
+
+/// Relays until cancelled, then drains what is pending once more.
+pub async fn run_relay(
+    mut sidecar: PgSidecar,
+    mut sink: Box<dyn Sink>,
+    limit: i64,
+    cancel: CancellationToken,
+) -> Result<()> {
+    async move {
+        let mut total = 0usize;
+        loop {
+            let n = relay_once(&mut sidecar, sink.as_mut(), limit).await?;
+            total += n;
+            if n > 0 {
+                tracing::debug!(sent = n, "relayed");
+                continue;
+            }
+            if cancel.is_cancelled() {
+                break;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                _ = cancel.cancelled() => {}
+            }
+        }
+        info!(sent = total, "relay stopped");
+        Ok(())
+    }
+    .instrument(info_span!("relay"))
+    .await
+}

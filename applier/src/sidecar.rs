@@ -1,0 +1,322 @@
+//! The sidecar: batches, versions, progress and the outbox, written in one
+//! transaction per batch.
+
+use std::collections::HashMap;
+
+use skein_common::config::Secret;
+use skein_common::failpoint::failpoint;
+use skein_sql::postgres::sidecar_ddl;
+use skein_sql::quote_ident;
+use tokio_postgres::NoTls;
+use tracing::debug;
+
+use crate::decide::Stored;
+use crate::error::{db, Error, Result};
+
+/// One outbox row to insert.
+#[derive(Clone, Debug)]
+pub struct OutboxRow {
+    /// CloudEvent id (UUID text).
+    pub event_id: String,
+    /// Entity name.
+    pub entity: String,
+    /// Canonical root key.
+    pub key: String,
+    /// Etag, `None` for deletes.
+    pub etag: Option<String>,
+    /// The CloudEvent JSON exactly as it will be sent.
+    pub event: String,
+    /// Source commit time (µs since the Unix epoch).
+    pub commit_time_micros: i64,
+}
+
+/// One version row to upsert.
+#[derive(Clone, Debug)]
+pub struct VersionRow {
+    /// Entity name.
+    pub entity: String,
+    /// Canonical root key.
+    pub key: String,
+    /// Etag (`None` when deleted).
+    pub etag: Option<String>,
+    /// Deleted.
+    pub is_deleted: bool,
+}
+
+/// Everything one batch commits.
+#[derive(Clone, Debug)]
+pub struct BatchCommit {
+    /// Progress group.
+    pub group: String,
+    /// Progress topic (`in-process` or the Kafka topic).
+    pub topic: String,
+    /// Partition.
+    pub partition: u32,
+    /// The progress this applier started from (`None`: no row yet).
+    pub expected: Option<i64>,
+    /// The new progress.
+    pub position: i64,
+    /// Batch bounds (for the batch row).
+    pub lower: i64,
+    /// Batch bounds (for the batch row).
+    pub upper: i64,
+    /// Correlation id (UUID text).
+    pub correlation_id: String,
+    /// Records applied.
+    pub record_count: i32,
+    /// Aggregates touched.
+    pub entity_count: i32,
+    /// The source reported lost changes.
+    pub has_data_loss: bool,
+    /// Events.
+    pub outbox: Vec<OutboxRow>,
+    /// Versions.
+    pub versions: Vec<VersionRow>,
+}
+
+/// The sidecar store.
+///
+/// Contract: [`Sidecar::commit`] writes outbox rows, versions, the batch row
+/// and the new progress atomically, and only if progress still equals
+/// `expected` (fencing); otherwise nothing is written and
+/// [`Error::Fenced`] is returned. Committed progress is the exactly-once
+/// recovery marker: a record at or before it is never applied again.
+pub trait Sidecar {
+    /// Creates or upgrades the schema (idempotent).
+    fn migrate(&self) -> impl std::future::Future<Output = Result<()>> + Send;
+    /// The stored progress of a partition.
+    fn progress(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> impl std::future::Future<Output = Result<Option<i64>>> + Send;
+    /// Stored versions of the given keys of an entity.
+    fn versions(
+        &self,
+        entity: &str,
+        keys: &[String],
+    ) -> impl std::future::Future<Output = Result<HashMap<String, Stored>>> + Send;
+    /// The one batch transaction.
+    fn commit(
+        &mut self,
+        batch: &BatchCommit,
+    ) -> impl std::future::Future<Output = Result<i64>> + Send;
+}
+
+/// PostgreSQL sidecar. Owns its connection.
+pub struct PgSidecar {
+    client: tokio_postgres::Client,
+    schema: String,
+    q: String,
+}
+
+impl PgSidecar {
+    /// Connects.
+    pub async fn connect(url: &Secret, schema: &str) -> Result<PgSidecar> {
+        let (client, conn) = tokio_postgres::connect(url.expose(), NoTls)
+            .await
+            .map_err(db("connecting to the sidecar"))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                debug!(error = %e, "sidecar connection closed");
+            }
+        });
+        Ok(PgSidecar {
+            client,
+            schema: schema.to_string(),
+            q: quote_ident(schema),
+        })
+    }
+
+    /// The connection (relay and status use it).
+    pub fn client(&mut self) -> &mut tokio_postgres::Client {
+        &mut self.client
+    }
+
+    /// The quoted schema.
+    pub fn schema_ident(&self) -> &str {
+        &self.q
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+}
+
+impl Sidecar for PgSidecar {
+    async fn migrate(&self) -> Result<()> {
+        self.client
+            .batch_execute(&sidecar_ddl(&self.schema))
+            .await
+            .map_err(db("creating the sidecar schema"))
+    }
+
+    async fn progress(&self, group: &str, topic: &str, partition: u32) -> Result<Option<i64>> {
+        let row = self
+            .client
+            .query_opt(
+                &format!(
+                    "SELECT position FROM {}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3",
+                    self.q
+                ),
+                &[&group, &topic, &(partition as i32)],
+            )
+            .await
+            .map_err(db("reading progress"))?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
+    async fn versions(&self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
+        let rows = self
+            .client
+            .query(
+                &format!(
+                    "SELECT key, etag, is_deleted FROM {}.\"version\" WHERE entity = $1 AND key = ANY($2)",
+                    self.q
+                ),
+                &[&entity, &keys],
+            )
+            .await
+            .map_err(db("reading versions"))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                (
+                    r.get(0),
+                    Stored {
+                        etag: r.get(1),
+                        is_deleted: r.get(2),
+                    },
+                )
+            })
+            .collect())
+    }
+
+    /// Read top to bottom: fence, batch row, outbox, versions, commit.
+    async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
+        let q = self.q.clone();
+        let tx = self
+            .client
+            .transaction()
+            .await
+            .map_err(db("beginning the batch transaction"))?;
+        let partition = b.partition as i32;
+
+        // 1. Fence: move progress only from where this applier started.
+        let moved = match b.expected {
+            Some(expected) => tx
+                .execute(
+                    &format!(
+                        "UPDATE {q}.\"progress\" SET position = $4, updated_at = now() \
+                         WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5"
+                    ),
+                    &[&b.group, &b.topic, &partition, &b.position, &expected],
+                )
+                .await
+                .map_err(db("advancing progress"))?,
+            None => tx
+                .execute(
+                    &format!(
+                        "INSERT INTO {q}.\"progress\" (group_name, topic, partition, position) \
+                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"
+                    ),
+                    &[&b.group, &b.topic, &partition, &b.position],
+                )
+                .await
+                .map_err(db("creating progress"))?,
+        };
+        if moved != 1 {
+            let found = tx
+                .query_opt(
+                    &format!(
+                        "SELECT position FROM {q}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3"
+                    ),
+                    &[&b.group, &b.topic, &partition],
+                )
+                .await
+                .map_err(db("reading progress after a fence"))?
+                .map(|r| r.get(0));
+            // Dropping `tx` rolls back.
+            return Err(Error::Fenced {
+                partition: b.partition,
+                expected: b.expected,
+                found,
+            });
+        }
+
+        // 2. The batch row: its correlation id is in every event of the batch.
+        let batch_id: i64 = tx
+            .query_one(
+                &format!(
+                    "INSERT INTO {q}.\"batch\" (correlation_id, group_name, topic, partition, lower_position, \
+                     upper_position, record_count, entity_count, event_count, has_data_loss) \
+                     VALUES ($1::text::uuid, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id"
+                ),
+                &[
+                    &b.correlation_id,
+                    &b.group,
+                    &b.topic,
+                    &partition,
+                    &b.lower,
+                    &b.upper,
+                    &b.record_count,
+                    &b.entity_count,
+                    &(b.outbox.len() as i32),
+                    &b.has_data_loss,
+                ],
+            )
+            .await
+            .map_err(db("inserting the batch row"))?
+            .get(0);
+
+        // 3. Outbox rows, in decision order (ids keep per-aggregate order).
+        if !b.outbox.is_empty() {
+            let ids: Vec<&str> = b.outbox.iter().map(|o| o.event_id.as_str()).collect();
+            let entities: Vec<&str> = b.outbox.iter().map(|o| o.entity.as_str()).collect();
+            let keys: Vec<&str> = b.outbox.iter().map(|o| o.key.as_str()).collect();
+            let etags: Vec<Option<&str>> = b.outbox.iter().map(|o| o.etag.as_deref()).collect();
+            let events: Vec<&str> = b.outbox.iter().map(|o| o.event.as_str()).collect();
+            let times: Vec<i64> = b.outbox.iter().map(|o| o.commit_time_micros).collect();
+            tx.execute(
+                &format!(
+                    "INSERT INTO {q}.\"outbox\" (event_id, batch_id, entity, key, partition, etag, event, commit_time) \
+                     SELECT u.id::uuid, $1, u.entity, u.key, $2, u.etag, u.event, \
+                            'epoch'::timestamptz + u.t * interval '1 microsecond' \
+                     FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) \
+                          WITH ORDINALITY AS u(id, entity, key, etag, event, t, ord) \
+                     ORDER BY u.ord"
+                ),
+                &[&batch_id, &partition, &ids, &entities, &keys, &etags, &events, &times],
+            )
+            .await
+            .map_err(db("inserting outbox rows"))?;
+        }
+
+        // 4. Versions.
+        if !b.versions.is_empty() {
+            let entities: Vec<&str> = b.versions.iter().map(|v| v.entity.as_str()).collect();
+            let keys: Vec<&str> = b.versions.iter().map(|v| v.key.as_str()).collect();
+            let etags: Vec<Option<&str>> = b.versions.iter().map(|v| v.etag.as_deref()).collect();
+            let deleted: Vec<bool> = b.versions.iter().map(|v| v.is_deleted).collect();
+            tx.execute(
+                &format!(
+                    "INSERT INTO {q}.\"version\" (entity, key, etag, is_deleted) \
+                     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) \
+                     ON CONFLICT (entity, key) DO UPDATE SET etag = EXCLUDED.etag, \
+                       is_deleted = EXCLUDED.is_deleted, updated_at = now()"
+                ),
+                &[&entities, &keys, &etags, &deleted],
+            )
+            .await
+            .map_err(db("upserting versions"))?;
+        }
+
+        failpoint("applier.before_commit");
+        // 5. Commit: everything above becomes visible at once, or none of it.
+        tx.commit().await.map_err(db("committing the batch"))?;
+        failpoint("applier.after_commit");
+        Ok(batch_id)
+    }
+}

@@ -1,0 +1,24 @@
+//! # skein-common
+//!
+//! The vocabulary every skein stage shares:
+//!
+//! * [`config`]: the YAML model with its no-I/O validation;
+//! * [`position`]: typed, totally ordered source positions ([`PgLsn`],
+//!   [`SqlServerLsn`]) and the per-change [`ChangePosition`];
+//! * [`record`]: the [`ChangeRecord`] the transporter carries, the
+//!   [`RootKey`] of an aggregate and the frozen partitioning function;
+//! * [`json`]: canonical JSON and the SHA-256 version hash (etag).
+//!
+//! Nothing here does I/O except [`Config::load`] reading its file.
+
+pub mod config;
+pub mod error;
+pub mod failpoint;
+pub mod json;
+pub mod position;
+pub mod record;
+
+pub use config::Config;
+pub use error::{Error, Result};
+pub use position::{ChangePosition, PgLsn, SqlServerLsn};
+pub use record::{ChangeRecord, Op, RootKey};

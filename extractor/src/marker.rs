@@ -1,0 +1,171 @@
+//! The extractor's marker: the source position up to which every change has
+//! been handed over and acknowledged. Stored in sled under `state_dir`.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use skein_common::PgLsn;
+
+use crate::error::{Error, Result};
+
+/// What is stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Marker {
+    /// Upper bound of the last acknowledged batch: every transaction that
+    /// committed at or before it has been handed over.
+    pub position: PgLsn,
+    /// Whether changes were ever skipped because the source no longer held
+    /// them (`continue_with_data_loss`).
+    pub has_data_loss: bool,
+    /// When it was written (`seconds.micros` since the Unix epoch).
+    pub updated_at: String,
+}
+
+/// Where the marker lives.
+///
+/// Contract: [`MarkerStore::load`] returns what the last successful
+/// [`MarkerStore::store`] wrote, also after a crash (`store` returns only
+/// once the value is durable). Positions only move forward through `store`;
+/// moving back is [`MarkerStore::reset`], an explicit operator action.
+pub trait MarkerStore {
+    /// The stored marker, `None` on a fresh state directory.
+    fn load(&self) -> Result<Option<Marker>>;
+    /// Durably stores a marker; refuses to move backwards.
+    fn store(&self, marker: &Marker) -> Result<()>;
+    /// Stores any marker, backwards included (operator `marker reset`).
+    fn reset(&self, marker: &Marker) -> Result<()>;
+}
+
+const MARKER_KEY: &[u8] = b"marker";
+
+/// sled-backed marker store holding an exclusive lock on the state directory
+/// for as long as it lives, so two extractors (or a `marker reset` next to a
+/// running pipeline) can never write the same marker.
+pub struct SledMarkerStore {
+    db: sled::Db,
+    _lock: File,
+    dir: PathBuf,
+}
+
+impl SledMarkerStore {
+    /// Opens (creating) the store in `state_dir`, taking its lock.
+    pub fn open(state_dir: &Path) -> Result<SledMarkerStore> {
+        std::fs::create_dir_all(state_dir).map_err(|e| Error::State {
+            dir: state_dir.display().to_string(),
+            message: format!("cannot create it: {e}"),
+        })?;
+        let lock_path = state_dir.join("LOCK");
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| Error::State {
+                dir: state_dir.display().to_string(),
+                message: format!("cannot open {}: {e}", lock_path.display()),
+            })?;
+        lock.try_lock().map_err(|_| Error::StateLocked {
+            dir: state_dir.display().to_string(),
+        })?;
+        let db = sled::open(state_dir.join("marker")).map_err(|e| Error::State {
+            dir: state_dir.display().to_string(),
+            message: format!("cannot open the sled store: {e}"),
+        })?;
+        Ok(SledMarkerStore {
+            db,
+            _lock: lock,
+            dir: state_dir.to_path_buf(),
+        })
+    }
+
+    fn write(&self, marker: &Marker) -> Result<()> {
+        let bytes = serde_json::to_vec(marker).map_err(|e| self.err(e.to_string()))?;
+        self.db
+            .insert(MARKER_KEY, bytes)
+            .map_err(|e| self.err(e.to_string()))?;
+        self.db.flush().map_err(|e| self.err(e.to_string()))?;
+        Ok(())
+    }
+
+    fn err(&self, message: String) -> Error {
+        Error::State {
+            dir: self.dir.display().to_string(),
+            message,
+        }
+    }
+}
+
+impl MarkerStore for SledMarkerStore {
+    fn load(&self) -> Result<Option<Marker>> {
+        let Some(v) = self
+            .db
+            .get(MARKER_KEY)
+            .map_err(|e| self.err(e.to_string()))?
+        else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&v)
+            .map(Some)
+            .map_err(|e| self.err(format!("the stored marker is unreadable: {e}")))
+    }
+
+    fn store(&self, marker: &Marker) -> Result<()> {
+        if let Some(cur) = self.load()? {
+            if marker.position < cur.position {
+                return Err(self.err(format!(
+                    "refusing to move the marker back from {} to {} (use `skein marker reset`)",
+                    cur.position, marker.position
+                )));
+            }
+        }
+        self.write(marker)
+    }
+
+    fn reset(&self, marker: &Marker) -> Result<()> {
+        self.write(marker)
+    }
+}
+
+/// Now as `seconds.micros` since the Unix epoch, for `updated_at`.
+pub fn now_stamp() -> String {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("{}.{:06}", d.as_secs(), d.subsec_micros())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(p: u64) -> Marker {
+        Marker {
+            position: PgLsn(p),
+            has_data_loss: false,
+            updated_at: now_stamp(),
+        }
+    }
+
+    #[test]
+    fn marker_round_trips_only_moves_forward_and_locks() {
+        let dir = std::env::temp_dir().join(format!("skein-marker-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        {
+            let s = SledMarkerStore::open(&dir).unwrap();
+            assert_eq!(s.load().unwrap(), None);
+            s.store(&m(10)).unwrap();
+            assert!(s.store(&m(5)).is_err());
+            assert!(matches!(
+                SledMarkerStore::open(&dir),
+                Err(Error::StateLocked { .. })
+            ));
+            s.reset(&m(5)).unwrap();
+            assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5));
+        }
+        let s = SledMarkerStore::open(&dir).unwrap();
+        assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5));
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

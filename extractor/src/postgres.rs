@@ -1,0 +1,671 @@
+//! PostgreSQL source: the logical replication protocol (pgoutput) for the
+//! change stream, an ordinary connection for the catalog, the slot and
+//! root-key lookups.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
+use skein_common::config::{Config, Secret};
+use skein_common::{ChangePosition, ChangeRecord, Op, PgLsn, RootKey};
+use skein_sql::postgres::{resolve_sql, CATALOG_QUERY};
+use skein_sql::{Catalog, ColumnInfo, TableInfo};
+use tokio_postgres::NoTls;
+use tracing::{debug, info, warn};
+
+use crate::error::{src, Error, Result};
+use crate::pgoutput::{self, Image, Message, Relation};
+use crate::resolve::{resolve, EntityPlan, Resolved};
+
+/// Microseconds between the Unix epoch and PostgreSQL's epoch (2000-01-01).
+const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
+/// Opens an ordinary connection; the connection task is spawned and ends
+/// when the client is dropped.
+pub async fn connect(url: &Secret, what: &str) -> Result<tokio_postgres::Client> {
+    let (client, conn) = tokio_postgres::connect(url.expose(), NoTls)
+        .await
+        .map_err(src(format!("connecting to the {what}")))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            debug!(error = %e, "connection closed");
+        }
+    });
+    Ok(client)
+}
+
+/// Reads the catalog of every table of every entity.
+pub async fn load_catalog(client: &tokio_postgres::Client, cfg: &Config) -> Result<Catalog> {
+    let mut schemas = vec![];
+    let mut tables = vec![];
+    for e in &cfg.entities {
+        for n in e.nodes() {
+            schemas.push(n.schema.clone());
+            tables.push(n.table.clone());
+        }
+    }
+    let rows = client
+        .query(CATALOG_QUERY, &[&schemas, &tables])
+        .await
+        .map_err(src("reading the catalog"))?;
+    let mut cat = Catalog::default();
+    let mut pks: HashMap<(String, String), Vec<(i32, String)>> = HashMap::new();
+    for r in rows {
+        let schema: String = r.get(0);
+        let table: String = r.get(1);
+        let col = ColumnInfo {
+            name: r.get(2),
+            data_type: r.get(3),
+            type_name: r.get(4),
+            nullable: r.get(5),
+        };
+        let pk_pos: Option<i32> = r.get(6);
+        let ident: String = r.get(7);
+        if let Some(p) = pk_pos {
+            pks.entry((schema.clone(), table.clone()))
+                .or_default()
+                .push((p, col.name.clone()));
+        }
+        let key = (schema.clone(), table.clone());
+        let t = cat.tables.entry(key).or_insert_with(|| TableInfo {
+            schema,
+            table,
+            columns: vec![],
+            primary_key: vec![],
+            replica_identity: ident.chars().next().unwrap_or('d'),
+        });
+        t.columns.push(col);
+    }
+    for (k, mut cols) in pks {
+        cols.sort();
+        if let Some(t) = cat.tables.get_mut(&k) {
+            t.primary_key = cols.into_iter().map(|(_, c)| c).collect();
+        }
+    }
+    Ok(cat)
+}
+
+/// One captured row change inside a transaction, before resolution.
+#[derive(Clone, Debug)]
+pub struct RawChange {
+    /// `(schema, table)`.
+    pub table: (String, String),
+    /// Operation on the row itself.
+    pub op: Op,
+    /// Before image, when sent.
+    pub old: Option<Image>,
+    /// After image, when sent.
+    pub new: Option<Image>,
+}
+
+/// One committed transaction.
+#[derive(Clone, Debug)]
+pub struct Tx {
+    /// Transaction id.
+    pub xid: u32,
+    /// End of the commit record: the transaction's position.
+    pub end_lsn: PgLsn,
+    /// Commit time, microseconds since the Unix epoch.
+    pub commit_time_micros: i64,
+    /// Row changes in order.
+    pub changes: Vec<RawChange>,
+}
+
+/// Whole transactions in `(lower, upper]`.
+#[derive(Clone, Debug)]
+pub struct SourceBatch {
+    /// Exclusive lower bound.
+    pub lower: PgLsn,
+    /// Inclusive upper bound; equal to `lower` when nothing happened.
+    pub upper: PgLsn,
+    /// The transactions.
+    pub txs: Vec<Tx>,
+}
+
+impl SourceBatch {
+    /// Number of row changes.
+    pub fn change_count(&self) -> usize {
+        self.txs.iter().map(|t| t.changes.len()).sum()
+    }
+}
+
+/// Where to start reading, decided against the slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StartPoint {
+    /// The position to read after.
+    pub position: PgLsn,
+    /// Changes were skipped to get here.
+    pub data_loss: bool,
+}
+
+/// The PostgreSQL change source.
+pub struct PgSource {
+    client: tokio_postgres::Client,
+    catalog: Catalog,
+    url: Secret,
+    slot: String,
+    publication: String,
+    plans: Vec<EntityPlan>,
+    by_table: HashMap<(String, String), Vec<(usize, usize)>>,
+    stream: Option<ReplicationClient>,
+    relations: HashMap<u32, Relation>,
+    /// A transaction still open when the previous batch closed on time.
+    open_tx: Option<Tx>,
+    /// Highest position known to hold nothing more for us (keepalive while idle).
+    idle_upper: PgLsn,
+}
+
+impl PgSource {
+    /// Connects the query connection and builds the resolution plans.
+    pub async fn connect(cfg: &Config) -> Result<PgSource> {
+        let client = connect(&cfg.source.url, "source").await?;
+        let catalog = load_catalog(&client, cfg).await?;
+        let missing = skein_sql::postgres::check_catalog(cfg, &catalog);
+        if let Some(first) = missing.first() {
+            return Err(Error::NotReady {
+                message: first.to_string(),
+                fix: "create the table/column or fix the config, then run `skein validate`".into(),
+            });
+        }
+        let plans: Vec<EntityPlan> = cfg
+            .entities
+            .iter()
+            .map(|e| EntityPlan::new(&e.name, e.nodes(), &catalog))
+            .collect();
+        let mut by_table: HashMap<(String, String), Vec<(usize, usize)>> = HashMap::new();
+        for (pi, p) in plans.iter().enumerate() {
+            for n in p.nodes.iter().filter(|n| n.tracked) {
+                by_table
+                    .entry((n.schema.clone(), n.table.clone()))
+                    .or_default()
+                    .push((pi, n.index));
+            }
+        }
+        Ok(PgSource {
+            client,
+            catalog,
+            url: cfg.source.url.clone(),
+            slot: cfg.source.slot.clone(),
+            publication: cfg.source.publication.clone(),
+            plans,
+            by_table,
+            stream: None,
+            relations: HashMap::new(),
+            open_tx: None,
+            idle_upper: PgLsn::ZERO,
+        })
+    }
+
+    /// The query connection (for callers that need the same source).
+    pub fn client(&self) -> &tokio_postgres::Client {
+        &self.client
+    }
+
+    /// Checks the slot against the marker and decides where to start.
+    ///
+    /// * no marker, no slot → create the slot, start at its consistent point;
+    /// * no marker, slot → start at the slot's confirmed position;
+    /// * marker, slot missing / invalidated / confirmed past the marker →
+    ///   [`Error::DataLoss`], or with `continue_with_data_loss` start at what
+    ///   the source has and report the loss.
+    pub async fn prepare(
+        &mut self,
+        marker: Option<PgLsn>,
+        continue_with_data_loss: bool,
+    ) -> Result<StartPoint> {
+        let publication = self
+            .client
+            .query_opt(
+                "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1",
+                &[&self.publication],
+            )
+            .await
+            .map_err(src("checking the publication"))?;
+        if publication.is_none() {
+            return Err(Error::NotReady {
+                message: format!("publication `{}` does not exist", self.publication),
+                fix: "run the output of `skein sql source` against the source database".into(),
+            });
+        }
+        let slot = self
+            .client
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text, coalesce(wal_status, '') FROM pg_catalog.pg_replication_slots \
+                 WHERE slot_name = $1 AND database = current_database()",
+                &[&self.slot],
+            )
+            .await
+            .map_err(src("reading the replication slot"))?;
+        let slot_state: Option<(Option<PgLsn>, String)> = match slot {
+            None => None,
+            Some(r) => {
+                let lsn: Option<String> = r.get(0);
+                let lsn = lsn
+                    .map(|s| PgLsn::from_str(&s))
+                    .transpose()
+                    .map_err(|e| Error::Decode(e.to_string()))?;
+                Some((lsn, r.get(1)))
+            }
+        };
+        let (available, lost_reason) = match &slot_state {
+            None => (None, Some(format!("slot `{}` does not exist", self.slot))),
+            Some((_, status)) if status == "lost" => (
+                None,
+                Some(format!(
+                    "slot `{}` was invalidated (wal_status lost)",
+                    self.slot
+                )),
+            ),
+            Some((lsn, _)) => (*lsn, None),
+        };
+        match (marker, available, lost_reason) {
+            (None, Some(at), None) => Ok(StartPoint {
+                position: at,
+                data_loss: false,
+            }),
+            (None, _, _) => {
+                if slot_state.is_some() {
+                    self.drop_slot().await?;
+                }
+                let at = self.create_slot().await?;
+                info!(slot = %self.slot, position = %at, "created replication slot");
+                Ok(StartPoint {
+                    position: at,
+                    data_loss: false,
+                })
+            }
+            (Some(m), Some(at), None) if at <= m => Ok(StartPoint {
+                position: m,
+                data_loss: false,
+            }),
+            (Some(m), available, reason) => {
+                let what = reason.unwrap_or_else(|| format!("{}", available.unwrap_or_default()));
+                if !continue_with_data_loss {
+                    return Err(Error::DataLoss {
+                        marker: m.to_string(),
+                        available: what,
+                    });
+                }
+                let at = match available {
+                    Some(at) => at,
+                    None => {
+                        if slot_state.is_some() {
+                            self.drop_slot().await?;
+                        }
+                        self.create_slot().await?
+                    }
+                };
+                warn!(marker = %m, available = %what, position = %at, "data loss: continuing from what the source holds");
+                Ok(StartPoint {
+                    position: at,
+                    data_loss: true,
+                })
+            }
+        }
+    }
+
+    async fn create_slot(&self) -> Result<PgLsn> {
+        let row = self
+            .client
+            .query_one(
+                "SELECT lsn::text FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&self.slot],
+            )
+            .await
+            .map_err(src("creating the replication slot"))?;
+        let s: String = row.get(0);
+        s.parse()
+            .map_err(|e: skein_common::Error| Error::Decode(e.to_string()))
+    }
+
+    async fn drop_slot(&self) -> Result<()> {
+        self.client
+            .execute(
+                "SELECT pg_catalog.pg_drop_replication_slot($1)",
+                &[&self.slot],
+            )
+            .await
+            .map_err(src("dropping the invalidated replication slot"))?;
+        Ok(())
+    }
+
+    /// Starts the replication stream after `start` (a transaction whose
+    /// commit ends at or before `start` is not sent again).
+    pub async fn start_stream(&mut self, start: PgLsn) -> Result<()> {
+        let pg = tokio_postgres::Config::from_str(self.url.expose())
+            .map_err(src("parsing the source URL"))?;
+        let host = match pg.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            #[cfg(unix)]
+            Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+            None => "localhost".to_string(),
+        };
+        let port = pg.get_ports().first().copied().unwrap_or(5432);
+        let password = pg
+            .get_password()
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .unwrap_or_default();
+        let cfg = ReplicationConfig::new(
+            host,
+            pg.get_user().unwrap_or("postgres"),
+            password,
+            pg.get_dbname().unwrap_or("postgres"),
+            self.slot.clone(),
+            self.publication.clone(),
+        )
+        .with_port(port)
+        .with_tls(TlsConfig::disabled())
+        .with_start_lsn(Lsn(start.as_u64()))
+        .with_ack_lsn(Lsn(start.as_u64()))
+        .with_status_interval(Duration::from_secs(1))
+        .with_wakeup_interval(Duration::from_secs(1));
+        let client = ReplicationClient::connect(cfg)
+            .await
+            .map_err(|source| Error::Replication { source })?;
+        self.stream = Some(client);
+        self.idle_upper = start;
+        Ok(())
+    }
+
+    /// Reports `upper` to the slot as durably consumed. Call only after the
+    /// marker holding `upper` is persisted.
+    pub fn confirm(&self, upper: PgLsn) {
+        if let Some(s) = &self.stream {
+            s.update_applied_lsn(Lsn(upper.as_u64()));
+        }
+    }
+
+    /// Reads whole transactions after `lower`: closes at the first commit at
+    /// or past `max_changes`, when the stream has been quiet for `linger`
+    /// after at least one transaction, or after `max_wait`.
+    pub async fn next_batch(
+        &mut self,
+        lower: PgLsn,
+        max_changes: usize,
+        linger: Duration,
+        max_wait: Duration,
+    ) -> Result<SourceBatch> {
+        let stream = self
+            .stream
+            .as_mut()
+            .ok_or_else(|| Error::Decode("the replication stream is not started".into()))?;
+        let started = Instant::now();
+        let mut txs: Vec<Tx> = vec![];
+        let mut count = 0usize;
+        let mut current: Option<Tx> = self.open_tx.take();
+        loop {
+            let waited = started.elapsed();
+            let budget = if current.is_some() && txs.is_empty() {
+                // A transaction is arriving: a batch never ends inside one.
+                Duration::from_millis(100)
+            } else if txs.is_empty() || current.is_some() {
+                max_wait.saturating_sub(waited)
+            } else {
+                linger.min(max_wait.saturating_sub(waited))
+            };
+            if budget.is_zero() && current.is_none() {
+                break;
+            }
+            let ev = match tokio::time::timeout(budget.max(Duration::from_millis(1)), stream.recv())
+                .await
+            {
+                Err(_) if current.is_some() && txs.is_empty() => continue,
+                Err(_) => break,
+                Ok(r) => r.map_err(|source| Error::Replication { source })?,
+            };
+            let Some(ev) = ev else {
+                return Err(Error::Decode("the replication stream ended".into()));
+            };
+            match ev {
+                ReplicationEvent::Begin {
+                    xid,
+                    commit_time_micros,
+                    ..
+                } => {
+                    current = Some(Tx {
+                        xid,
+                        end_lsn: PgLsn::ZERO,
+                        commit_time_micros: commit_time_micros + PG_EPOCH_OFFSET_MICROS,
+                        changes: vec![],
+                    });
+                }
+                ReplicationEvent::Commit {
+                    end_lsn,
+                    commit_time_micros,
+                    ..
+                } => {
+                    let mut tx = current
+                        .take()
+                        .ok_or_else(|| Error::Decode("pgoutput: commit without begin".into()))?;
+                    tx.end_lsn = PgLsn(end_lsn.0);
+                    tx.commit_time_micros = commit_time_micros + PG_EPOCH_OFFSET_MICROS;
+                    count += tx.changes.len();
+                    if tx.end_lsn > lower {
+                        txs.push(tx);
+                    }
+                    if count >= max_changes {
+                        break;
+                    }
+                }
+                ReplicationEvent::XLogData { data, .. } => {
+                    let msg = pgoutput::decode(&data)?;
+                    handle(
+                        &mut self.relations,
+                        &self.publication,
+                        msg,
+                        current.as_mut(),
+                    )?;
+                }
+                ReplicationEvent::KeepAlive { wal_end, .. } if current.is_none() => {
+                    self.idle_upper = self.idle_upper.max(PgLsn(wal_end.0));
+                }
+                ReplicationEvent::KeepAlive { .. } => {}
+                ReplicationEvent::StoppedAt { .. } | ReplicationEvent::Message { .. } => {}
+                #[allow(unreachable_patterns)]
+                _ => {}
+            }
+        }
+        self.open_tx = current;
+        let mut upper = txs.last().map(|t| t.end_lsn).unwrap_or(lower);
+        // A keepalive seen while no transaction was open says nothing more
+        // for us committed before it: the marker may move there, which lets
+        // the slot release WAL on an otherwise quiet publication.
+        if self.open_tx.is_none() && self.idle_upper > upper {
+            upper = self.idle_upper;
+        }
+        Ok(SourceBatch {
+            lower,
+            upper: upper.max(lower),
+            txs,
+        })
+    }
+
+    /// Resolves every change of a batch to change records, in source order,
+    /// with one lookup query per (entity, table) for children whose root is
+    /// not in their own columns.
+    pub async fn resolve(&self, batch: &SourceBatch) -> Result<Vec<ChangeRecord>> {
+        // Per change: resolved keys, or an index into the pending lookups.
+        struct Pending {
+            slot: usize,
+            plan: usize,
+            node: usize,
+            values: Vec<Option<String>>,
+        }
+        // (transaction index, sequence, table, resolved (plan, op, key)s)
+        type Slot = (usize, u32, String, Vec<(usize, Op, RootKey)>);
+        let mut slots: Vec<Slot> = vec![];
+        let mut lookups: Vec<Pending> = vec![];
+        for (ti, tx) in batch.txs.iter().enumerate() {
+            let mut seq = 0u32;
+            for ch in &tx.changes {
+                let Some(targets) = self.by_table.get(&ch.table) else {
+                    continue;
+                };
+                for (pi, node) in targets {
+                    let plan = &self.plans[*pi];
+                    let res = resolve(plan, *node, ch.op, ch.old.as_ref(), ch.new.as_ref())?;
+                    let slot = slots.len();
+                    let table = format!("{}.{}", ch.table.0, ch.table.1);
+                    match res {
+                        Resolved::Roots(keys) => {
+                            slots.push((
+                                ti,
+                                seq,
+                                table,
+                                keys.into_iter().map(|(op, k)| (*pi, op, k)).collect(),
+                            ));
+                        }
+                        Resolved::Lookup { node, values } => {
+                            slots.push((ti, seq, table, vec![]));
+                            for v in values {
+                                lookups.push(Pending {
+                                    slot,
+                                    plan: *pi,
+                                    node,
+                                    values: v,
+                                });
+                            }
+                        }
+                    }
+                }
+                seq += 1;
+            }
+        }
+        // Batched lookups: group by (plan, node).
+        let mut groups: HashMap<(usize, usize), Vec<&Pending>> = HashMap::new();
+        for p in &lookups {
+            groups.entry((p.plan, p.node)).or_default().push(p);
+        }
+        for ((pi, node), items) in groups {
+            let plan = &self.plans[pi];
+            let sql = resolve_sql(&plan.nodes, node, &self.catalog);
+            let width = plan.nodes[node].on.len();
+            let arrays: Vec<Vec<Option<String>>> = (0..width)
+                .map(|c| items.iter().map(|p| p.values[c].clone()).collect())
+                .collect();
+            let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
+                .iter()
+                .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
+                .collect();
+            let rows = self.client.query(&sql, &params).await.map_err(src(format!(
+                "resolving roots of {}",
+                plan.nodes[node].qualified()
+            )))?;
+            for r in rows {
+                let ord: i64 = r.get(0);
+                let key: String = r.get(1);
+                let key = RootKey::from_canonical(&key)
+                    .ok_or_else(|| Error::Decode(format!("bad root key from lookup: {key}")))?;
+                let p = items[(ord - 1) as usize];
+                slots[p.slot].3.push((pi, Op::Update, key));
+            }
+        }
+        let mut out = vec![];
+        for (ti, seq, table, keys) in slots {
+            let tx = &batch.txs[ti];
+            let mut seen: Vec<(usize, Op, RootKey)> = vec![];
+            for (pi, op, key) in keys {
+                if key.has_null() || seen.contains(&(pi, op, key.clone())) {
+                    continue;
+                }
+                seen.push((pi, op, key.clone()));
+                out.push(ChangeRecord {
+                    entity: self.plans[pi].entity.clone(),
+                    root_key: key,
+                    table: table.clone(),
+                    op,
+                    position: ChangePosition {
+                        commit: tx.end_lsn,
+                        seq,
+                    },
+                    tx_id: u64::from(tx.xid),
+                    commit_time_micros: tx.commit_time_micros,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The catalog read at connect time.
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+}
+
+/// Applies one decoded message to the relation cache or the open transaction.
+fn handle(
+    relations: &mut HashMap<u32, Relation>,
+    publication: &str,
+    msg: Message,
+    tx: Option<&mut Tx>,
+) -> Result<()> {
+    {
+        let rel = |relations: &HashMap<u32, Relation>, oid: u32| {
+            relations.get(&oid).cloned().ok_or_else(|| {
+                Error::Decode(format!("pgoutput: change for unknown relation {oid}"))
+            })
+        };
+        let change = match msg {
+            Message::Relation(r) => {
+                relations.insert(r.oid, r);
+                return Ok(());
+            }
+            Message::Insert { oid, new } => {
+                let r = rel(relations, oid)?;
+                RawChange {
+                    table: (r.schema.clone(), r.table.clone()),
+                    op: Op::Insert,
+                    old: None,
+                    new: Some(pgoutput::image(&r, &new)),
+                }
+            }
+            Message::Update { oid, old, new } => {
+                let r = rel(relations, oid)?;
+                RawChange {
+                    table: (r.schema.clone(), r.table.clone()),
+                    op: Op::Update,
+                    old: old.map(|o| pgoutput::image(&r, &o)),
+                    new: Some(pgoutput::image(&r, &new)),
+                }
+            }
+            Message::Delete { oid, old } => {
+                let r = rel(relations, oid)?;
+                RawChange {
+                    table: (r.schema.clone(), r.table.clone()),
+                    op: Op::Delete,
+                    old: Some(pgoutput::image(&r, &old)),
+                    new: None,
+                }
+            }
+            Message::Truncate { oids } => {
+                let names: Vec<String> = oids
+                    .iter()
+                    .filter_map(|o| relations.get(o))
+                    .map(|r| format!("{}.{}", r.schema, r.table))
+                    .collect();
+                return Err(Error::NotReady {
+                    message: format!(
+                        "TRUNCATE of {} reached the change stream; skein cannot tell which aggregates it removed",
+                        names.join(", ")
+                    ),
+                    fix: format!(
+                        "ALTER PUBLICATION \"{}\" SET (publish = 'insert, update, delete');\n\
+                         then re-publish the affected entities with `skein explicit`",
+                        publication
+                    ),
+                });
+            }
+            Message::Other(_) => return Ok(()),
+        };
+        match tx {
+            Some(tx) => {
+                tx.changes.push(change);
+                Ok(())
+            }
+            None => Err(Error::Decode(
+                "pgoutput: row change outside a transaction".into(),
+            )),
+        }
+    }
+}

@@ -1,0 +1,36 @@
+//! # skein-sql
+//!
+//! Every SQL statement skein runs or prints, rendered by pure functions from
+//! the entity config and a [`Catalog`] (the source's tables, columns, types
+//! and primary keys). Nothing here does I/O: the extractor fetches the
+//! catalog, this crate decides the text, golden files under `tests/golden/`
+//! pin it. Every identifier is quoted with [`quote_ident`].
+//!
+//! Value formats in event JSON are decided here too (see
+//! [`postgres::json_expr`]), because they are part of the frozen version hash.
+
+pub mod catalog;
+pub mod postgres;
+
+pub use catalog::{Catalog, ColumnInfo, TableInfo};
+
+/// Quotes an identifier for PostgreSQL (and ANSI SQL): `"a""b"`.
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// Quotes a string literal: `'it''s'`.
+pub fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting_doubles_quotes() {
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
+        assert_eq!(quote_literal("it's"), "'it''s'");
+    }
+}

@@ -1,0 +1,611 @@
+//! PostgreSQL dialect: CDC enablement, sidecar DDL, catalog, resolution and
+//! hydration queries.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+
+use skein_common::config::{Config, EntityConfig, TableNode};
+
+use crate::catalog::{Catalog, ColumnInfo};
+use crate::{quote_ident as qi, quote_literal as ql};
+
+/// Sidecar schema version written by [`sidecar_ddl`].
+pub const SIDECAR_SCHEMA_VERSION: i32 = 1;
+
+/// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
+/// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
+const JSON_CHUNK: usize = 40;
+
+/// A problem that stops SQL from being generated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SqlError {
+    /// A configured table is not in the source.
+    #[error("table {schema}.{table} (entity `{entity}`) does not exist in the source")]
+    MissingTable {
+        entity: String,
+        schema: String,
+        table: String,
+    },
+    /// A configured column is not in its table.
+    #[error("column `{column}` of {schema}.{table} (entity `{entity}`, {field}) does not exist")]
+    MissingColumn {
+        entity: String,
+        schema: String,
+        table: String,
+        column: String,
+        field: &'static str,
+    },
+    /// A table has neither a configured key nor a primary key.
+    #[error("{schema}.{table} (entity `{entity}`) has no primary key: add one or set `key:` in the config")]
+    NoKey {
+        entity: String,
+        schema: String,
+        table: String,
+    },
+}
+
+/// Checks that every configured table and column exists in the catalog.
+pub fn check_catalog(cfg: &Config, catalog: &Catalog) -> Vec<SqlError> {
+    let mut errors = vec![];
+    for e in &cfg.entities {
+        let nodes = e.nodes();
+        for n in &nodes {
+            let Some(t) = catalog.node(n) else {
+                errors.push(SqlError::MissingTable {
+                    entity: e.name.clone(),
+                    schema: n.schema.clone(),
+                    table: n.table.clone(),
+                });
+                continue;
+            };
+            let mut want: Vec<(&str, &'static str)> = vec![];
+            for c in &n.include_columns {
+                want.push((c, "include_columns"));
+            }
+            for c in &n.exclude_columns {
+                want.push((c, "exclude_columns"));
+            }
+            for c in &n.exclude_columns_from_etag {
+                want.push((c, "exclude_columns_from_etag"));
+            }
+            for c in n.key.iter().flatten() {
+                want.push((c, "key"));
+            }
+            for on in &n.on {
+                want.push((&on.name, "on.name"));
+            }
+            for child in nodes.iter().filter(|c| c.parent == Some(n.index)) {
+                for on in &child.on {
+                    want.push((&on.to_column, "on.to_column"));
+                }
+            }
+            if n.index == 0 {
+                if let Some(d) = &e.is_deleted_column {
+                    want.push((d, "is_deleted_column"));
+                }
+                for c in &e.include_columns_on_delete {
+                    want.push((c, "include_columns_on_delete"));
+                }
+            }
+            for (c, field) in want {
+                if t.column(c).is_none() {
+                    errors.push(SqlError::MissingColumn {
+                        entity: e.name.clone(),
+                        schema: n.schema.clone(),
+                        table: n.table.clone(),
+                        column: c.to_string(),
+                        field,
+                    });
+                }
+            }
+            if catalog.key_columns(n).is_empty() {
+                errors.push(SqlError::NoKey {
+                    entity: e.name.clone(),
+                    schema: n.schema.clone(),
+                    table: n.table.clone(),
+                });
+            }
+        }
+    }
+    errors
+}
+
+/// What CDC needs from one tracked table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrackedTable {
+    /// Schema.
+    pub schema: String,
+    /// Table.
+    pub table: String,
+    /// Columns the change stream must carry (key and join columns), sorted.
+    pub columns: BTreeSet<String>,
+    /// Whether deletes/updates need `REPLICA IDENTITY FULL` to carry the join
+    /// columns (they are not all in the primary key).
+    pub needs_full_identity: bool,
+}
+
+/// Every table tracked by any entity, with the columns CDC must carry.
+pub fn tracked_tables(cfg: &Config, catalog: &Catalog) -> Vec<TrackedTable> {
+    let mut out: Vec<TrackedTable> = vec![];
+    for e in &cfg.entities {
+        for n in e.nodes().iter().filter(|n| n.tracked) {
+            let key = catalog.key_columns(n);
+            let pk: BTreeSet<String> = catalog
+                .node(n)
+                .map(|t| t.primary_key.iter().cloned().collect())
+                .unwrap_or_default();
+            let mut cols: BTreeSet<String> = key.iter().cloned().collect();
+            cols.extend(n.on.iter().map(|o| o.name.clone()));
+            let needs_full = pk.is_empty() || !cols.iter().all(|c| pk.contains(c));
+            if let Some(t) = out
+                .iter_mut()
+                .find(|t| t.schema == n.schema && t.table == n.table)
+            {
+                t.columns.extend(cols);
+                t.needs_full_identity |= needs_full;
+            } else {
+                out.push(TrackedTable {
+                    schema: n.schema.clone(),
+                    table: n.table.clone(),
+                    columns: cols,
+                    needs_full_identity: needs_full,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// `skein sql source` for PostgreSQL: replica identities and the publication,
+/// idempotent (safe to run again after a config change).
+pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
+    let tables = tracked_tables(cfg, catalog);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "-- skein: PostgreSQL CDC enablement for pipeline {}.\n\
+         -- Needs wal_level = logical (ALTER SYSTEM SET wal_level = logical; then restart).\n\
+         -- The publication carries only key and join columns: skein reads the\n\
+         -- latest state of an aggregate from the tables themselves.",
+        ql(&cfg.name)
+    );
+    for t in &tables {
+        if t.needs_full_identity {
+            let _ = writeln!(
+                s,
+                "\n-- {}.{}: deletes must carry {} which the primary key does not hold.\n\
+                 ALTER TABLE {}.{} REPLICA IDENTITY FULL;",
+                t.schema,
+                t.table,
+                t.columns.iter().cloned().collect::<Vec<_>>().join(", "),
+                qi(&t.schema),
+                qi(&t.table)
+            );
+        }
+    }
+    let pubname = &cfg.source.publication;
+    let _ = writeln!(
+        s,
+        "\nDO $$\nBEGIN\n  IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = {}) THEN\n    CREATE PUBLICATION {};\n  END IF;\nEND\n$$;",
+        ql(pubname),
+        qi(pubname)
+    );
+    let list: Vec<String> = tables
+        .iter()
+        .map(|t| {
+            if t.needs_full_identity {
+                // With REPLICA IDENTITY FULL every column is part of the
+                // identity, and PostgreSQL requires a column list to contain
+                // the identity: publish the whole row.
+                format!("{}.{}", qi(&t.schema), qi(&t.table))
+            } else {
+                format!(
+                    "{}.{} ({})",
+                    qi(&t.schema),
+                    qi(&t.table),
+                    t.columns
+                        .iter()
+                        .map(|c| qi(c))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        })
+        .collect();
+    let _ = writeln!(
+        s,
+        "ALTER PUBLICATION {} SET TABLE\n  {};",
+        qi(pubname),
+        list.join(",\n  ")
+    );
+    let _ = writeln!(
+        s,
+        "\n-- The replication slot is created by `skein run` / `skein extract` on first start;\n\
+         -- to create it yourself:\n\
+         -- SELECT pg_create_logical_replication_slot({}, 'pgoutput');",
+        ql(&cfg.source.slot)
+    );
+    s
+}
+
+/// `skein sql sidecar` for PostgreSQL. Idempotent; applied by `skein sidecar migrate`.
+pub fn sidecar_ddl(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        r#"-- skein sidecar schema, version {v}.
+CREATE SCHEMA IF NOT EXISTS {s};
+
+CREATE TABLE IF NOT EXISTS {s}."schema_version" (
+  "version"    integer     PRIMARY KEY,
+  "applied_at" timestamptz NOT NULL DEFAULT now()
+);
+
+-- The exactly-once recovery marker: the last source position (in-process) or
+-- Kafka offset each partition consumed. Moves only inside the batch transaction.
+CREATE TABLE IF NOT EXISTS {s}."progress" (
+  "group_name" text        NOT NULL,
+  "topic"      text        NOT NULL,
+  "partition"  integer     NOT NULL,
+  "position"   bigint      NOT NULL,
+  "updated_at" timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ("group_name", "topic", "partition")
+);
+
+CREATE TABLE IF NOT EXISTS {s}."batch" (
+  "id"             bigserial   PRIMARY KEY,
+  "correlation_id" uuid        NOT NULL UNIQUE,
+  "group_name"     text        NOT NULL,
+  "topic"          text        NOT NULL,
+  "partition"      integer     NOT NULL,
+  "lower_position" bigint      NOT NULL,
+  "upper_position" bigint      NOT NULL,
+  "record_count"   integer     NOT NULL,
+  "entity_count"   integer     NOT NULL,
+  "event_count"    integer     NOT NULL,
+  "has_data_loss"  boolean     NOT NULL DEFAULT false,
+  "created_at"     timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE IF NOT EXISTS {s}."version" (
+  "entity"     text        NOT NULL,
+  "key"        text        NOT NULL,
+  "etag"       text,
+  "is_deleted" boolean     NOT NULL DEFAULT false,
+  "updated_at" timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ("entity", "key")
+);
+
+CREATE TABLE IF NOT EXISTS {s}."outbox" (
+  "id"          bigserial   PRIMARY KEY,
+  "event_id"    uuid        NOT NULL UNIQUE,
+  "batch_id"    bigint      NOT NULL REFERENCES {s}."batch" ("id"),
+  "entity"      text        NOT NULL,
+  "key"         text        NOT NULL,
+  "partition"   integer     NOT NULL,
+  "etag"        text,
+  "event"       text        NOT NULL,
+  "commit_time" timestamptz NOT NULL,
+  "enqueued_at" timestamptz NOT NULL DEFAULT clock_timestamp(),
+  "dequeued_at" timestamptz
+);
+CREATE INDEX IF NOT EXISTS "outbox_pending" ON {s}."outbox" ("id") WHERE "dequeued_at" IS NULL;
+CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON {s}."outbox" ("entity", "key", "id");
+
+INSERT INTO {s}."schema_version" ("version") VALUES ({v}) ON CONFLICT DO NOTHING;
+"#,
+        v = SIDECAR_SCHEMA_VERSION
+    )
+}
+
+/// Reads the catalog of the given tables: `$1` schemas, `$2` tables (text
+/// arrays, pairwise). Returns one row per column, in column order:
+/// `schema, table, column, data_type, type_name, nullable, pk_position, replica_identity`.
+pub const CATALOG_QUERY: &str = r#"
+SELECT n.nspname::text, c.relname::text, a.attname::text,
+       pg_catalog.format_type(a.atttypid, NULL) AS data_type,
+       CASE WHEN t.typtype = 'd' THEN bt.typname ELSE t.typname END::text AS type_name,
+       NOT a.attnotnull AS nullable,
+       array_position(pk.conkey, a.attnum)::int4 AS pk_position,
+       c.relreplident::text
+FROM unnest($1::text[], $2::text[]) AS w(s, t)
+JOIN pg_catalog.pg_namespace n ON n.nspname = w.s
+JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = w.t AND c.relkind IN ('r', 'p')
+JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
+LEFT JOIN pg_catalog.pg_type bt ON bt.oid = t.typbasetype
+LEFT JOIN pg_catalog.pg_constraint pk ON pk.conrelid = c.oid AND pk.contype = 'p'
+ORDER BY n.nspname, c.relname, a.attnum"#;
+
+/// The JSON expression of one column value: the frozen value formats.
+///
+/// | type | JSON |
+/// |---|---|
+/// | smallint, integer, bigint, real, double precision | number |
+/// | boolean | `true` / `false` |
+/// | numeric, money | string with the exact decimal (`"12.50"`) |
+/// | timestamptz | string, UTC, microseconds: `"2024-01-02T03:04:05.000006Z"` |
+/// | timestamp | string, microseconds, no zone: `"2024-01-02T03:04:05.000006"` |
+/// | date | `"2024-01-02"` |
+/// | uuid | lower-case hyphenated string |
+/// | bytea | standard base64 string, no line breaks |
+/// | json, jsonb | the JSON value itself |
+/// | text, varchar, char, anything else | the PostgreSQL text form as a string |
+pub fn json_expr(alias: &str, col: &ColumnInfo) -> String {
+    let c = format!("{alias}.{}", qi(&col.name));
+    match col.type_name.as_str() {
+        "int2" | "int4" | "int8" | "float4" | "float8" | "bool" | "json" | "jsonb" => c,
+        "numeric" => format!("({c})::text"),
+        "money" => format!("({c})::numeric::text"),
+        "timestamptz" => {
+            format!("to_char(({c}) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')")
+        }
+        "timestamp" => format!("to_char({c}, 'YYYY-MM-DD\"T\"HH24:MI:SS.US')"),
+        "date" => format!("to_char({c}, 'YYYY-MM-DD')"),
+        "bytea" => format!("translate(encode({c}, 'base64'), E'\\n', '')"),
+        _ => format!("({c})::text"),
+    }
+}
+
+/// `jsonb` object of the given columns (chunked for wide tables).
+fn json_object(alias: &str, cols: &[&ColumnInfo]) -> String {
+    if cols.is_empty() {
+        return "'{}'::jsonb".into();
+    }
+    cols.chunks(JSON_CHUNK)
+        .map(|chunk| {
+            let args: Vec<String> = chunk
+                .iter()
+                .map(|c| format!("{}, {}", ql(&c.name), json_expr(alias, c)))
+                .collect();
+            format!("jsonb_build_object({})", args.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join(" || ")
+}
+
+fn text_array(alias: &str, cols: &[String]) -> String {
+    if cols.is_empty() {
+        return "'[]'".into();
+    }
+    let items: Vec<String> = cols
+        .iter()
+        .map(|c| format!("{alias}.{}::text", qi(c)))
+        .collect();
+    format!("json_build_array({})::text", items.join(", "))
+}
+
+fn cast_type<'a>(catalog: &'a Catalog, node: &TableNode, col: &str) -> &'a str {
+    catalog
+        .node(node)
+        .and_then(|t| t.column(col))
+        .map(|c| c.data_type.as_str())
+        .unwrap_or("text")
+}
+
+/// `unnest($1::text[], …) WITH ORDINALITY AS k(v0, …, ord)`.
+fn unnest_keys(n: usize) -> String {
+    let params: Vec<String> = (1..=n).map(|i| format!("${i}::text[]")).collect();
+    let names: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
+    format!(
+        "unnest({}) WITH ORDINALITY AS k({}, ord)",
+        params.join(", "),
+        names.join(", ")
+    )
+}
+
+/// Path from the root down to `index`: node indices, root first.
+pub fn path_to(nodes: &[TableNode], index: usize) -> Vec<usize> {
+    let mut path = vec![index];
+    let mut cur = index;
+    while let Some(p) = nodes[cur].parent {
+        path.push(p);
+        cur = p;
+    }
+    path.reverse();
+    path
+}
+
+/// Columns of `node` that its children join to (`to_column`s), sorted.
+pub fn referenced_columns(nodes: &[TableNode], index: usize) -> Vec<String> {
+    let set: BTreeSet<String> = nodes
+        .iter()
+        .filter(|c| c.parent == Some(index))
+        .flat_map(|c| c.on.iter().map(|o| o.to_column.clone()))
+        .collect();
+    set.into_iter().collect()
+}
+
+/// Hydration query of one node of an entity for a batch of root keys.
+///
+/// Parameters: one `text[]` per root key column (the root keys, pairwise).
+/// Columns: `ord bigint` (1-based index into the key arrays), `link text`
+/// (JSON array of this row's join-column values, `[]` for the root), `refs
+/// text` (JSON object of the columns children join to), `data text` (the
+/// row's event JSON; NULL when the root does not exist), `is_deleted bool`
+/// (the logical-delete column, root only). Rows are ordered by root, then
+/// by the node's key so arrays are stable (the etag depends on it).
+pub fn hydrate_sql(
+    entity: &EntityConfig,
+    nodes: &[TableNode],
+    index: usize,
+    catalog: &Catalog,
+) -> String {
+    let path = path_to(nodes, index);
+    let root = &nodes[0];
+    let root_key = catalog.key_columns(root);
+    let node = &nodes[index];
+    let alias = |i: usize| format!("t{i}");
+    let this = alias(path.len() - 1);
+    let cols = catalog.event_columns(node);
+    let data = json_object(&this, &cols);
+    let data = if index == 0 {
+        let first = root_key.first().map(String::as_str).unwrap_or("");
+        format!(
+            "CASE WHEN t0.{} IS NULL THEN NULL ELSE ({data})::text END",
+            qi(first)
+        )
+    } else {
+        format!("({data})::text")
+    };
+    let is_deleted = match (&entity.is_deleted_column, index) {
+        (Some(col), 0) => format!("COALESCE((t0.{})::boolean, false)", qi(col)),
+        _ => "false".into(),
+    };
+    let link_cols: Vec<String> = node.on.iter().map(|o| o.name.clone()).collect();
+    let mut sql = format!(
+        "SELECT k.ord, {link} AS link, {refs} AS refs, {data} AS data, {is_deleted} AS is_deleted\nFROM {keys}\n",
+        link = text_array(&this, &link_cols),
+        refs = refs_object(&this, &referenced_columns(nodes, index)),
+        keys = unnest_keys(root_key.len()),
+    );
+    let on_root: Vec<String> = root_key
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("t0.{} = k.v{i}::{}", qi(c), cast_type(catalog, root, c)))
+        .collect();
+    let _ = writeln!(
+        sql,
+        "{} {}.{} t0 ON {}",
+        if index == 0 { "LEFT JOIN" } else { "JOIN" },
+        qi(&root.schema),
+        qi(&root.table),
+        on_root.join(" AND ")
+    );
+    for (depth, ni) in path.iter().enumerate().skip(1) {
+        let n = &nodes[*ni];
+        let conds: Vec<String> =
+            n.on.iter()
+                .map(|o| {
+                    format!(
+                        "{}.{} = {}.{}",
+                        alias(depth),
+                        qi(&o.name),
+                        alias(depth - 1),
+                        qi(&o.to_column)
+                    )
+                })
+                .collect();
+        let _ = writeln!(
+            sql,
+            "JOIN {}.{} {} ON {}",
+            qi(&n.schema),
+            qi(&n.table),
+            alias(depth),
+            conds.join(" AND ")
+        );
+    }
+    let mut order = vec!["k.ord".to_string()];
+    if index != 0 {
+        order.extend(
+            catalog
+                .key_columns(node)
+                .iter()
+                .map(|c| format!("{this}.{}", qi(c))),
+        );
+    }
+    let _ = write!(sql, "ORDER BY {}", order.join(", "));
+    sql
+}
+
+fn refs_object(alias: &str, cols: &[String]) -> String {
+    if cols.is_empty() {
+        return "'{}'".into();
+    }
+    let args: Vec<String> = cols
+        .iter()
+        .map(|c| format!("{}, {alias}.{}::text", ql(c), qi(c)))
+        .collect();
+    format!("json_build_object({})::text", args.join(", "))
+}
+
+/// Root-key lookup for changes of a child node whose join columns do not
+/// give the root key directly (grandchildren, or joins to non-key columns).
+///
+/// Parameters: one `text[]` per join column of the node (`on[].name` values
+/// from the change images, pairwise). Columns: `ord bigint`, `root_key text`
+/// (JSON array of the root key as text). A change whose parent chain no
+/// longer exists yields no row: it is dropped, the parent's own change
+/// covers the root.
+pub fn resolve_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> String {
+    let node = &nodes[index];
+    let parent_path = path_to(nodes, node.parent.unwrap_or(0)); // root … parent
+    let root_key = catalog.key_columns(&nodes[0]);
+    // Aliases from the parent upwards: u0 = parent, u1 = grandparent, … root last.
+    let up: Vec<usize> = parent_path.iter().rev().copied().collect();
+    let alias = |i: usize| format!("u{i}");
+    let root_alias = alias(up.len() - 1);
+    let mut sql = format!(
+        "SELECT k.ord, {} AS root_key\nFROM {}\n",
+        text_array(&root_alias, &root_key),
+        unnest_keys(node.on.len())
+    );
+    let parent = &nodes[up[0]];
+    let conds: Vec<String> = node
+        .on
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            format!(
+                "u0.{} = k.v{i}::{}",
+                qi(&o.to_column),
+                cast_type(catalog, parent, &o.to_column)
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        sql,
+        "JOIN {}.{} u0 ON {}",
+        qi(&parent.schema),
+        qi(&parent.table),
+        conds.join(" AND ")
+    );
+    for i in 1..up.len() {
+        let child = &nodes[up[i - 1]];
+        let n = &nodes[up[i]];
+        let conds: Vec<String> = child
+            .on
+            .iter()
+            .map(|o| {
+                format!(
+                    "{}.{} = {}.{}",
+                    alias(i - 1),
+                    qi(&o.name),
+                    alias(i),
+                    qi(&o.to_column)
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            sql,
+            "JOIN {}.{} {} ON {}",
+            qi(&n.schema),
+            qi(&n.table),
+            alias(i),
+            conds.join(" AND ")
+        );
+    }
+    let _ = write!(sql, "ORDER BY k.ord");
+    sql
+}
+
+/// Whether a child node's join columns map onto the root key directly
+/// (parent is the root and `to_column`s are exactly the root key), so no
+/// lookup is needed. Returns, per root key column, the index into `on`.
+pub fn direct_root_mapping(
+    nodes: &[TableNode],
+    index: usize,
+    catalog: &Catalog,
+) -> Option<Vec<usize>> {
+    let node = &nodes[index];
+    if node.parent != Some(0) {
+        return None;
+    }
+    let root_key = catalog.key_columns(&nodes[0]);
+    if root_key.len() != node.on.len() {
+        return None;
+    }
+    root_key
+        .iter()
+        .map(|k| node.on.iter().position(|o| &o.to_column == k))
+        .collect()
+}
