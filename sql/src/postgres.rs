@@ -212,6 +212,13 @@ pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
             }
         })
         .collect();
+    // TRUNCATE is not published: it names no rows, so no aggregate could be
+    // resolved from it (skein stops with an error if one arrives anyway).
+    let _ = writeln!(
+        s,
+        "ALTER PUBLICATION {} SET (publish = 'insert, update, delete');",
+        qi(pubname)
+    );
     let _ = writeln!(
         s,
         "ALTER PUBLICATION {} SET TABLE\n  {};",

@@ -1,0 +1,356 @@
+//! Test harness: a fresh database per test on the real PostgreSQL started by
+//! `scripts/test` (`SKEIN_TEST_PG_URL`), and the real `skein` binary.
+//! A missing service fails the test; it never passes silently.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio_postgres::{Client, NoTls};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_skein");
+
+pub fn admin_url() -> String {
+    std::env::var("SKEIN_TEST_PG_URL").expect(
+        "SKEIN_TEST_PG_URL is not set: run the tests with `scripts/test`, which starts PostgreSQL",
+    )
+}
+
+pub async fn connect(url: &str) -> Client {
+    let (c, conn) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"));
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    c
+}
+
+/// Drops (with its slots) and creates a database.
+pub async fn recreate_db(admin: &Client, db_name: &str) {
+    for sql in [
+        format!("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{db_name}'"),
+        format!("DROP DATABASE IF EXISTS {db_name} WITH (FORCE)"),
+        format!("CREATE DATABASE {db_name}"),
+    ] {
+        admin.simple_query(&sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+}
+
+/// A fresh database with the quickstart schema, plus a working directory.
+pub struct Env {
+    pub name: String,
+    pub url: String,
+    pub dir: PathBuf,
+    pub db: Client,
+    pub config: PathBuf,
+}
+
+impl Env {
+    /// Creates database `skein_t_<name>` and a config from the quickstart's,
+    /// with `edit` applied to the YAML text.
+    pub async fn new(name: &str, edit: impl Fn(String) -> String) -> Env {
+        let admin_url = admin_url();
+        let admin = connect(&admin_url).await;
+        let db_name = format!("skein_t_{name}");
+        recreate_db(&admin, &db_name).await;
+        let url = format!("{}/{db_name}", admin_url.rsplit_once('/').unwrap().0);
+        let db = connect(&url).await;
+        db.batch_execute(
+            &std::fs::read_to_string(root().join("examples/quickstart/schema.sql")).unwrap(),
+        )
+        .await
+        .unwrap();
+        Env::new_in_existing(name, edit).await
+    }
+
+    /// Like [`Env::new`] on a database `skein_t_<name>` the caller created.
+    pub async fn new_in_existing(name: &str, edit: impl Fn(String) -> String) -> Env {
+        let db_name = format!("skein_t_{name}");
+        let url = format!("{}/{db_name}", admin_url().rsplit_once('/').unwrap().0);
+        let db = connect(&url).await;
+        let dir = root().join("target/test-runs").join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let yaml = std::fs::read_to_string(root().join("examples/quickstart/skein.yaml"))
+            .unwrap()
+            .replace("skein_quickstart", &format!("skein_{name}"))
+            .replace("also_stdout: true", "also_stdout: false");
+        let config = dir.join("skein.yaml");
+        std::fs::write(&config, edit(yaml)).unwrap();
+        let env = Env {
+            name: name.into(),
+            url,
+            dir,
+            db,
+            config,
+        };
+        let out = env.skein(&["sql", "source"]);
+        assert!(
+            out.status.success(),
+            "sql source: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        env.db
+            .batch_execute(&String::from_utf8(out.stdout).unwrap())
+            .await
+            .unwrap();
+        env
+    }
+
+    pub fn slot(&self) -> String {
+        format!("skein_{}", self.name)
+    }
+
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(BIN);
+        c.args(args)
+            .arg("--config")
+            .arg(&self.config)
+            .env("SKEIN_SOURCE_URL", &self.url)
+            .env("SKEIN_OUT_DIR", &self.dir)
+            .env_remove("SKEIN_FAILPOINT");
+        c
+    }
+
+    pub fn skein(&self, args: &[&str]) -> std::process::Output {
+        self.command(args).output().unwrap()
+    }
+
+    /// Starts `skein run` and waits until its slot is streaming.
+    pub async fn start(&self) -> Running {
+        self.start_with(&[]).await
+    }
+
+    pub async fn start_with(&self, env: &[(&str, &str)]) -> Running {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("skein.log"))
+            .unwrap();
+        let mut cmd = self.command(&["run"]);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap();
+        let mut r = Running { child };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let row = self
+                .db
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&self.slot()],
+                )
+                .await
+                .unwrap();
+            if row.is_some() {
+                break;
+            }
+            if let Some(status) = r.child.try_wait().unwrap() {
+                panic!("skein run exited with {status}: {}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "skein run did not start: {}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        r.check_alive(self);
+        r
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("skein.log")).unwrap_or_default()
+    }
+
+    /// Waits until everything committed so far is through the pipeline and relayed.
+    pub async fn settle(&self, running: &mut Running) {
+        let probe: String = self
+            .db
+            .query_one(
+                "SELECT pg_logical_emit_message(true, 'skein.probe', '')::text",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            running.check_alive(self);
+            let done: Option<bool> = self
+                .db
+                .query_one(
+                    "SELECT (SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $2)
+                       AND NOT EXISTS (SELECT 1 FROM skein.outbox WHERE dequeued_at IS NULL)",
+                    &[&probe, &self.slot()],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if done == Some(true) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pipeline did not settle: {}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn exec(&self, sql: &str) {
+        self.db
+            .batch_execute(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// Events in the file sink.
+    pub fn events(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.dir.join("events.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// Events in the outbox, in id order.
+    pub async fn outbox(&self) -> Vec<Value> {
+        self.db
+            .query("SELECT event FROM skein.outbox ORDER BY id", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| serde_json::from_str(r.get::<_, &str>(0)).unwrap())
+            .collect()
+    }
+}
+
+pub struct Running {
+    pub child: Child,
+}
+
+impl Running {
+    pub fn check_alive(&mut self, env: &Env) {
+        if let Some(status) = self.child.try_wait().unwrap() {
+            panic!("skein run exited early with {status}:\n{}", env.log());
+        }
+    }
+
+    /// SIGTERM and wait; asserts a clean exit.
+    pub fn stop(mut self, env: &Env) {
+        unsafe_kill(self.child.id(), "TERM");
+        let status = self.child.wait().unwrap();
+        assert!(
+            status.success(),
+            "skein run did not stop cleanly ({status}):\n{}",
+            env.log()
+        );
+    }
+
+    /// SIGKILL and wait.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the process to exit by itself (e.g. at a failpoint).
+    pub fn wait_exit(mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("process did not exit within {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn unsafe_kill(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status();
+}
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+/// The stable part of an event (drops id, time and correlation id).
+pub fn stable(ev: &Value) -> Value {
+    let mut e = ev.clone();
+    if let Value::Object(m) = &mut e {
+        for k in ["id", "time", "correlationid"] {
+            assert!(m.remove(k).is_some(), "event lacks `{k}`: {ev}");
+        }
+    }
+    e
+}
+
+/// Compares events with `tests/golden/events/<name>.json`; `UPDATE_GOLDEN=1` rewrites it.
+/// Order is guaranteed per aggregate only (partitions commit independently),
+/// so events are grouped by subject, keeping each aggregate's own order.
+pub fn assert_golden(name: &str, events: &[Value]) {
+    let mut got: Vec<Value> = events.iter().map(stable).collect();
+    got.sort_by(|a, b| a["subject"].as_str().cmp(&b["subject"].as_str()));
+    let text = serde_json::to_string_pretty(&got).unwrap() + "\n";
+    let path = root()
+        .join("tests/golden/events")
+        .join(format!("{name}.json"));
+    if std::env::var("UPDATE_GOLDEN").is_ok() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &text).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|_| {
+        panic!(
+            "missing golden file {}; run with UPDATE_GOLDEN=1 and review it",
+            path.display()
+        )
+    });
+    assert_eq!(text, want, "events differ from {}", path.display());
+}
+
+/// Exactly-once checks that hold for every run: unique ids in the outbox,
+/// every file event in the outbox, no aggregate published twice in a row
+/// with the same etag.
+pub async fn assert_exactly_once(env: &Env) {
+    let outbox = env.outbox().await;
+    let mut ids = std::collections::HashSet::new();
+    for e in &outbox {
+        assert!(
+            ids.insert(e["id"].as_str().unwrap().to_string()),
+            "duplicate event id {}",
+            e["id"]
+        );
+    }
+    for e in env.events() {
+        assert!(
+            ids.contains(e["id"].as_str().unwrap()),
+            "file event {} is not in the outbox",
+            e["id"]
+        );
+    }
+    let mut last: std::collections::HashMap<String, Value> = Default::default();
+    for e in &outbox {
+        let subject = e["subject"].as_str().unwrap().to_string();
+        if let Some(prev) = last.get(&subject) {
+            assert!(
+                !(prev["etag"] == e["etag"] && prev["action"] == e["action"]),
+                "{subject} published twice with the same content: {prev} then {e}"
+            );
+        }
+        last.insert(subject, e.clone());
+    }
+}

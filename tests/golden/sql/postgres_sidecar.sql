@@ -1,0 +1,60 @@
+-- skein sidecar schema, version 1.
+CREATE SCHEMA IF NOT EXISTS "skein";
+
+CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
+  "version"    integer     PRIMARY KEY,
+  "applied_at" timestamptz NOT NULL DEFAULT now()
+);
+
+-- The exactly-once recovery marker: the last source position (in-process) or
+-- Kafka offset each partition consumed. Moves only inside the batch transaction.
+CREATE TABLE IF NOT EXISTS "skein"."progress" (
+  "group_name" text        NOT NULL,
+  "topic"      text        NOT NULL,
+  "partition"  integer     NOT NULL,
+  "position"   bigint      NOT NULL,
+  "updated_at" timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ("group_name", "topic", "partition")
+);
+
+CREATE TABLE IF NOT EXISTS "skein"."batch" (
+  "id"             bigserial   PRIMARY KEY,
+  "correlation_id" uuid        NOT NULL UNIQUE,
+  "group_name"     text        NOT NULL,
+  "topic"          text        NOT NULL,
+  "partition"      integer     NOT NULL,
+  "lower_position" bigint      NOT NULL,
+  "upper_position" bigint      NOT NULL,
+  "record_count"   integer     NOT NULL,
+  "entity_count"   integer     NOT NULL,
+  "event_count"    integer     NOT NULL,
+  "has_data_loss"  boolean     NOT NULL DEFAULT false,
+  "created_at"     timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE IF NOT EXISTS "skein"."version" (
+  "entity"     text        NOT NULL,
+  "key"        text        NOT NULL,
+  "etag"       text,
+  "is_deleted" boolean     NOT NULL DEFAULT false,
+  "updated_at" timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ("entity", "key")
+);
+
+CREATE TABLE IF NOT EXISTS "skein"."outbox" (
+  "id"          bigserial   PRIMARY KEY,
+  "event_id"    uuid        NOT NULL UNIQUE,
+  "batch_id"    bigint      NOT NULL REFERENCES "skein"."batch" ("id"),
+  "entity"      text        NOT NULL,
+  "key"         text        NOT NULL,
+  "partition"   integer     NOT NULL,
+  "etag"        text,
+  "event"       text        NOT NULL,
+  "commit_time" timestamptz NOT NULL,
+  "enqueued_at" timestamptz NOT NULL DEFAULT clock_timestamp(),
+  "dequeued_at" timestamptz
+);
+CREATE INDEX IF NOT EXISTS "outbox_pending" ON "skein"."outbox" ("id") WHERE "dequeued_at" IS NULL;
+CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox" ("entity", "key", "id");
+
+INSERT INTO "skein"."schema_version" ("version") VALUES (1) ON CONFLICT DO NOTHING;

@@ -1,0 +1,399 @@
+//! nTangle's scenarios, adapted, against a real PostgreSQL and the real
+//! `skein` binary (in-process transport). Each test has its own database,
+//! slot and working directory, so they run in parallel.
+//!
+//! Batches are time-based, so a scenario that needs changes in *one* batch
+//! puts them in one transaction; one that needs them in *separate* batches
+//! waits for the pipeline to settle in between.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+fn same(y: String) -> String {
+    y
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_changes_publishes_nothing() {
+    let env = Env::new("no_changes", same).await;
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    // A transaction that touches nothing tracked.
+    env.exec("CREATE TABLE unrelated (id int); INSERT INTO unrelated VALUES (1);")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert!(env.events().is_empty(), "{:?}", env.events());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn multiple_changes_in_one_batch_publish_one_create() {
+    let env = Env::new("multiple_changes", same).await;
+    let mut run = env.start().await;
+    env.exec(
+        "BEGIN;
+         INSERT INTO customer (id, name, email) VALUES (1, 'Ada', 'a@x');
+         UPDATE customer SET name = 'Ada L.' WHERE id = 1;
+         INSERT INTO address (id, customer_id, kind, city) VALUES (10, 1, 'home', 'London');
+         INSERT INTO contact VALUES (1, 'phone', '1'), (1, 'mail', 'a@x');
+         COMMIT;",
+    )
+    .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_golden("multiple_changes", &env.events());
+    assert_exactly_once(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn update_then_delete_and_create_update_then_delete() {
+    let env = Env::new("update_then_delete", same).await;
+    let mut run = env.start().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    env.settle(&mut run).await;
+    // UpdateThenDelete: the stored version exists.
+    env.exec("BEGIN; UPDATE customer SET name = 'x' WHERE id = 1; DELETE FROM customer WHERE id = 1; COMMIT;")
+        .await;
+    // CreateUpdateThenDelete: never published before, the delete still is.
+    env.exec(
+        "BEGIN; INSERT INTO customer (id, name) VALUES (2, 'Bob'); UPDATE customer SET name = 'B' WHERE id = 2;
+         DELETE FROM customer WHERE id = 2; COMMIT;",
+    )
+    .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_golden("update_then_delete", &env.events());
+    assert_exactly_once(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn create_update_with_upcoming_delete_publishes_only_the_delete() {
+    let env = Env::new("upcoming_delete", |y| {
+        y.replace(
+            "state_dir:",
+            "extractor: { max_batch_changes: 2 }\nstate_dir:",
+        )
+    })
+    .await;
+    let run = env.start().await;
+    run.stop(&env);
+    // While stopped: batch 1 will hold insert+update, batch 2 the delete.
+    env.exec("BEGIN; INSERT INTO customer (id, name) VALUES (1, 'Ada'); UPDATE customer SET name = 'A' WHERE id = 1; COMMIT;")
+        .await;
+    env.exec("DELETE FROM customer WHERE id = 1;").await;
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_golden("upcoming_delete", &env.events());
+    let batches: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM skein.batch", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        batches, 2,
+        "the cap must split the backlog into two batches"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn same_version_and_excluded_row_version_publish_nothing() {
+    let env = Env::new("same_version", same).await;
+    let mut run = env.start().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada'); INSERT INTO address VALUES (10, 1, 'home', 'London');")
+        .await;
+    env.settle(&mut run).await;
+    env.exec("UPDATE customer SET name = name WHERE id = 1;")
+        .await;
+    env.exec("UPDATE customer SET row_version = row_version + 1 WHERE id = 1;")
+        .await;
+    env.exec("UPDATE address SET city = 'London' WHERE id = 10;")
+        .await;
+    env.settle(&mut run).await;
+    env.exec("UPDATE address SET city = 'Paris' WHERE id = 10;")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_golden("same_version", &env.events());
+    assert_exactly_once(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn logical_delete_publishes_delete_then_create_on_undelete() {
+    let env = Env::new("logical_delete", same).await;
+    let mut run = env.start().await;
+    env.exec("INSERT INTO customer (id, name, email) VALUES (1, 'Ada', 'a@x');")
+        .await;
+    env.settle(&mut run).await;
+    env.exec("UPDATE customer SET is_deleted = true WHERE id = 1;")
+        .await;
+    env.settle(&mut run).await;
+    env.exec("UPDATE customer SET email = 'b@x' WHERE id = 1;")
+        .await; // still deleted: nothing
+    env.settle(&mut run).await;
+    env.exec("UPDATE customer SET is_deleted = false WHERE id = 1;")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_golden("logical_delete", &env.events());
+    assert_exactly_once(&env).await;
+}
+
+/// The quickstart workload one statement at a time: grandchild change, a
+/// child moved between roots, a root key update, NULL join columns.
+#[tokio::test(flavor = "multi_thread")]
+async fn children_grandchildren_moves_and_key_updates() {
+    let env = Env::new("relations", same).await;
+    let mut run = env.start().await;
+    let steps = [
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada'), (2, 'Grace');",
+        "INSERT INTO address VALUES (10, 1, 'home', 'London');",
+        "INSERT INTO address_line VALUES (10, 1, 'line one');",
+        "UPDATE address_line SET text = 'line 1' WHERE address_id = 10;",
+        "UPDATE address SET customer_id = 2 WHERE id = 10;",
+        "UPDATE address SET customer_id = NULL WHERE id = 10;",
+        "INSERT INTO address_line VALUES (10, 2, 'orphan line');",
+        "UPDATE customer SET id = 3 WHERE id = 1;",
+        "DELETE FROM address WHERE id = 10;",
+    ];
+    for s in steps {
+        env.exec(s).await;
+        env.settle(&mut run).await;
+    }
+    run.stop(&env);
+    assert_golden("relations", &env.events());
+    assert_exactly_once(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn column_types_round_trip_with_stable_formats() {
+    let env = typed_env().await;
+    let mut run = env.start().await;
+    env.exec(
+        "INSERT INTO typed VALUES (1, 'k-ü', 9007199254740993, 12345.678900, 'héllo \"wörld\" ✓', true,
+           '2024-02-29T23:59:59.123456+02:00', '2024-02-29', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11',
+           '\\x00ff10', '{\"b\": [1, 2], \"a\": null}', NULL, 1.5);",
+    )
+    .await;
+    env.settle(&mut run).await;
+    env.exec("DELETE FROM typed;").await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_golden("types", &env.events());
+}
+
+/// Env for the typed table (composite key, every supported type), created
+/// before `sql source` runs.
+async fn typed_env() -> Env {
+    {
+        let admin = connect(&admin_url()).await;
+        recreate_db(&admin, "skein_t_types").await;
+        let url = format!("{}/skein_t_types", admin_url().rsplit_once('/').unwrap().0);
+        let db = connect(&url).await;
+        db.batch_execute(
+            "CREATE TABLE typed (id int, code text, big bigint, amount numeric(20,6), note text, flag boolean,
+               at timestamptz, day date, uid uuid, raw bytea, doc jsonb, missing text, ratio double precision,
+               PRIMARY KEY (id, code));",
+        )
+        .await
+        .unwrap();
+        drop(db);
+        Env::new_in_existing("types", |y| {
+            let start = y.find("entities:").unwrap();
+            format!(
+                "{}entities:\n  - name: typed\n    table: typed\n",
+                &y[..start]
+            )
+        })
+        .await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn max_batch_changes_splits_a_backlog_and_every_entity_ends_correct() {
+    let env = Env::new("max_query_size", |y| {
+        y.replace(
+            "state_dir:",
+            "extractor: { max_batch_changes: 7 }\nstate_dir:",
+        )
+    })
+    .await;
+    let run = env.start().await;
+    run.stop(&env);
+    for i in 1..=40 {
+        env.exec(&format!(
+            "INSERT INTO customer (id, name) VALUES ({i}, 'c{i}'); UPDATE customer SET name = 'c{i}!' WHERE id = {i};"
+        ))
+        .await;
+    }
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let batches: i64 = env
+        .db
+        .query_one(
+            "SELECT count(DISTINCT upper_position) FROM skein.batch",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        batches >= 10,
+        "80 changes with a cap of 7 need at least 10 batches, got {batches}"
+    );
+    let events = env.events();
+    for i in 1..=40 {
+        let last = events
+            .iter()
+            .rev()
+            .find(|e| e["subject"] == format!("customer.{i}"))
+            .unwrap();
+        assert_eq!(last["data"]["name"], format!("c{i}!"));
+    }
+    assert_exactly_once(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn data_loss_stops_with_a_clear_error() {
+    let env = Env::new("data_loss_stop", same).await;
+    let mut run = env.start().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    env.exec(&format!(
+        "SELECT pg_drop_replication_slot('{}');",
+        env.slot()
+    ))
+    .await;
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'lost');")
+        .await;
+    let out = env.skein(&["run"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("data loss") && err.contains("continue_with_data_loss"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn data_loss_continue_records_it_and_goes_on() {
+    let env = Env::new("data_loss_continue", |y| {
+        y.replace(
+            "state_dir:",
+            "extractor: { continue_with_data_loss: true }\nstate_dir:",
+        )
+    })
+    .await;
+    let mut run = env.start().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    env.exec(&format!(
+        "SELECT pg_drop_replication_slot('{}');",
+        env.slot()
+    ))
+    .await;
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'lost');")
+        .await;
+    let mut run = env.start().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (3, 'after');")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let subjects: Vec<String> = env
+        .events()
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(subjects, vec!["customer.1", "customer.3"]);
+    // Every partition records the loss in its row of the first batch after it.
+    let lossy: i64 = env
+        .db
+        .query_one(
+            "SELECT count(DISTINCT upper_position) FROM skein.batch WHERE has_data_loss",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        lossy, 1,
+        "exactly the first batch after the loss records it"
+    );
+    let shown = env.skein(&["marker", "show"]);
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("has_data_loss true"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retry_when_incomplete_publishes_each_event_once() {
+    let env = Env::new("retry_incomplete", same).await;
+    let mut run = env.start().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    // Crash inside the sidecar transaction, then between commit and marker.
+    for point in [
+        "applier.before_commit",
+        "applier.after_commit",
+        "extractor.after_ack_before_marker",
+    ] {
+        let run = env.start_with(&[("SKEIN_FAILPOINT", point)]).await;
+        env.exec(&format!(
+            "UPDATE customer SET name = 'Ada {point}' WHERE id = 1;"
+        ))
+        .await;
+        let status = run.wait_exit(Duration::from_secs(30));
+        assert!(
+            !status.success(),
+            "{point}: the failpoint must abort the process"
+        );
+        let mut run = env.start().await;
+        env.settle(&mut run).await;
+        run.stop(&env);
+    }
+    assert_golden("retry_incomplete", &env.events());
+    assert_exactly_once(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn marker_reset_is_refused_while_running() {
+    let env = Env::new("marker_lock", same).await;
+    let run = env.start().await;
+    let out = env.skein(&["marker", "reset", "--to", "0/1"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("locked"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    run.stop(&env);
+    let out = env.skein(&["marker", "show"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("position "));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_config_field_names_field_and_line() {
+    let env = Env::new("bad_config", same).await;
+    let yaml = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("  partitions: 4", "  partitions: 4\n  partitons: 5");
+    std::fs::write(&env.config, yaml).unwrap();
+    let out = env.skein(&["validate"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("partitons") && err.contains("line 14"),
+        "{err}"
+    );
+}
