@@ -267,11 +267,7 @@ async fn data_loss_stops_with_a_clear_error() {
         .await;
     env.settle(&mut run).await;
     run.stop(&env);
-    env.exec(&format!(
-        "SELECT pg_drop_replication_slot('{}');",
-        env.slot()
-    ))
-    .await;
+    env.drop_slot().await;
     env.exec("INSERT INTO customer (id, name) VALUES (2, 'lost');")
         .await;
     let out = env.skein(&["run"]);
@@ -297,11 +293,7 @@ async fn data_loss_continue_records_it_and_goes_on() {
         .await;
     env.settle(&mut run).await;
     run.stop(&env);
-    env.exec(&format!(
-        "SELECT pg_drop_replication_slot('{}');",
-        env.slot()
-    ))
-    .await;
+    env.drop_slot().await;
     env.exec("INSERT INTO customer (id, name) VALUES (2, 'lost');")
         .await;
     let mut run = env.start().await;

@@ -142,7 +142,11 @@ impl Env {
             let row = self
                 .db
                 .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    // A walsender streaming the slot, not just "active": the slot is also
+                    // active while its creating backend waits for consistency, and
+                    // changes committed before that are not decoded.
+                    "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid \
+                     WHERE s.slot_name = $1",
                     &[&self.slot()],
                 )
                 .await
@@ -199,6 +203,39 @@ impl Env {
                 Instant::now() < deadline,
                 "pipeline did not settle: {}",
                 self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Drops the slot once no walsender holds it any more (a stopped
+    /// pipeline's walsender may take a moment to exit).
+    pub async fn drop_slot(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = self
+                .db
+                .simple_query(&format!(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = '{}' AND NOT active",
+                    self.slot()
+                ))
+                .await;
+            let gone = self
+                .db
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&self.slot()],
+                )
+                .await
+                .unwrap()
+                .is_none();
+            if r.is_ok() && gone {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "slot {} stayed in use",
+                self.slot()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
