@@ -22,9 +22,11 @@ async fn no_changes_publishes_nothing() {
     let mut run = env.start().await;
     env.settle(&mut run).await;
     // A transaction that touches nothing tracked.
-    env.exec("CREATE TABLE unrelated (id int); INSERT INTO unrelated VALUES (1);")
-        .await;
-    env.settle(&mut run).await;
+    env.step(
+        &mut run,
+        "CREATE TABLE unrelated (id int); INSERT INTO unrelated VALUES (1);",
+    )
+    .await;
     run.stop(&env);
     assert!(env.events().is_empty(), "{:?}", env.events());
 }
@@ -52,9 +54,11 @@ async fn multiple_changes_in_one_batch_publish_one_create() {
 async fn update_then_delete_and_create_update_then_delete() {
     let env = Env::new("update_then_delete", same).await;
     let mut run = env.start().await;
-    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
-        .await;
-    env.settle(&mut run).await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
     // UpdateThenDelete: the stored version exists.
     env.exec("BEGIN; UPDATE customer SET name = 'x' WHERE id = 1; DELETE FROM customer WHERE id = 1; COMMIT;")
         .await;
@@ -105,19 +109,18 @@ async fn create_update_with_upcoming_delete_publishes_only_the_delete() {
 async fn same_version_and_excluded_row_version_publish_nothing() {
     let env = Env::new("same_version", same).await;
     let mut run = env.start().await;
-    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada'); INSERT INTO address VALUES (10, 1, 'home', 'London');")
-        .await;
-    env.settle(&mut run).await;
+    env.step(&mut run, "INSERT INTO customer (id, name) VALUES (1, 'Ada'); INSERT INTO address VALUES (10, 1, 'home', 'London');").await;
     env.exec("UPDATE customer SET name = name WHERE id = 1;")
         .await;
     env.exec("UPDATE customer SET row_version = row_version + 1 WHERE id = 1;")
         .await;
-    env.exec("UPDATE address SET city = 'London' WHERE id = 10;")
+    env.step(
+        &mut run,
+        "UPDATE address SET city = 'London' WHERE id = 10;",
+    )
+    .await;
+    env.step(&mut run, "UPDATE address SET city = 'Paris' WHERE id = 10;")
         .await;
-    env.settle(&mut run).await;
-    env.exec("UPDATE address SET city = 'Paris' WHERE id = 10;")
-        .await;
-    env.settle(&mut run).await;
     run.stop(&env);
     assert_golden("same_version", &env.events());
     assert_exactly_once(&env).await;
@@ -127,18 +130,23 @@ async fn same_version_and_excluded_row_version_publish_nothing() {
 async fn logical_delete_publishes_delete_then_create_on_undelete() {
     let env = Env::new("logical_delete", same).await;
     let mut run = env.start().await;
-    env.exec("INSERT INTO customer (id, name, email) VALUES (1, 'Ada', 'a@x');")
-        .await;
-    env.settle(&mut run).await;
-    env.exec("UPDATE customer SET is_deleted = true WHERE id = 1;")
-        .await;
-    env.settle(&mut run).await;
-    env.exec("UPDATE customer SET email = 'b@x' WHERE id = 1;")
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name, email) VALUES (1, 'Ada', 'a@x');",
+    )
+    .await;
+    env.step(
+        &mut run,
+        "UPDATE customer SET is_deleted = true WHERE id = 1;",
+    )
+    .await;
+    env.step(&mut run, "UPDATE customer SET email = 'b@x' WHERE id = 1;")
         .await; // still deleted: nothing
-    env.settle(&mut run).await;
-    env.exec("UPDATE customer SET is_deleted = false WHERE id = 1;")
-        .await;
-    env.settle(&mut run).await;
+    env.step(
+        &mut run,
+        "UPDATE customer SET is_deleted = false WHERE id = 1;",
+    )
+    .await;
     run.stop(&env);
     assert_golden("logical_delete", &env.events());
     assert_exactly_once(&env).await;
@@ -162,8 +170,7 @@ async fn children_grandchildren_moves_and_key_updates() {
         "DELETE FROM address WHERE id = 10;",
     ];
     for s in steps {
-        env.exec(s).await;
-        env.settle(&mut run).await;
+        env.step(&mut run, s).await;
     }
     run.stop(&env);
     assert_golden("relations", &env.events());
@@ -181,8 +188,7 @@ async fn column_types_round_trip_with_stable_formats() {
     )
     .await;
     env.settle(&mut run).await;
-    env.exec("DELETE FROM typed;").await;
-    env.settle(&mut run).await;
+    env.step(&mut run, "DELETE FROM typed;").await;
     run.stop(&env);
     assert_golden("types", &env.events());
 }
@@ -259,17 +265,25 @@ async fn max_batch_changes_splits_a_backlog_and_every_entity_ends_correct() {
     assert_exactly_once(&env).await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn data_loss_stops_with_a_clear_error() {
-    let env = Env::new("data_loss_stop", same).await;
+/// Publishes customer 1, stops, drops the slot (the loss) and commits
+/// customer 2, which no slot captures.
+async fn publish_then_lose_a_change(env: &Env) {
     let mut run = env.start().await;
-    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
-        .await;
-    env.settle(&mut run).await;
-    run.stop(&env);
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    run.stop(env);
     env.drop_slot().await;
     env.exec("INSERT INTO customer (id, name) VALUES (2, 'lost');")
         .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn data_loss_stops_with_a_clear_error() {
+    let env = Env::new("data_loss_stop", same).await;
+    publish_then_lose_a_change(&env).await;
     let out = env.skein(&["run"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -288,18 +302,13 @@ async fn data_loss_continue_records_it_and_goes_on() {
         )
     })
     .await;
+    publish_then_lose_a_change(&env).await;
     let mut run = env.start().await;
-    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
-        .await;
-    env.settle(&mut run).await;
-    run.stop(&env);
-    env.drop_slot().await;
-    env.exec("INSERT INTO customer (id, name) VALUES (2, 'lost');")
-        .await;
-    let mut run = env.start().await;
-    env.exec("INSERT INTO customer (id, name) VALUES (3, 'after');")
-        .await;
-    env.settle(&mut run).await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (3, 'after');",
+    )
+    .await;
     run.stop(&env);
     let subjects: Vec<String> = env
         .events()
@@ -329,9 +338,11 @@ async fn data_loss_continue_records_it_and_goes_on() {
 async fn retry_when_incomplete_publishes_each_event_once() {
     let env = Env::new("retry_incomplete", same).await;
     let mut run = env.start().await;
-    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
-        .await;
-    env.settle(&mut run).await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
     run.stop(&env);
     // Crash inside the sidecar transaction, then between commit and marker.
     for point in [

@@ -241,6 +241,13 @@ impl Env {
         }
     }
 
+    /// Runs `sql` and waits until the pipeline has published its effect,
+    /// so the next step lands in a later batch.
+    pub async fn step(&self, running: &mut Running, sql: &str) {
+        self.exec(sql).await;
+        self.settle(running).await;
+    }
+
     pub async fn exec(&self, sql: &str) {
         self.db
             .batch_execute(sql)
