@@ -204,8 +204,15 @@ async fn validate(cfg: &Config) -> anyhow::Result<()> {
         ));
     }
     let catalog = skein_extractor::postgres::load_catalog(&client, cfg).await?;
-    for p in skein_sql::postgres::check_catalog(cfg, &catalog) {
+    let catalog_problems = skein_sql::postgres::check_catalog(cfg, &catalog);
+    for p in &catalog_problems {
         problems.push(p.to_string());
+    }
+    // The publication's fix is generated from the catalog: with tables or
+    // columns missing it would be wrong, so those come first.
+    let check_publication = catalog_problems.is_empty();
+    if !check_publication {
+        println!("note: the publication and replica identities are checked once the tables and columns above are fixed");
     }
     let ddl = skein_sql::postgres::source_ddl(cfg, &catalog);
     let pubrow = client
@@ -214,7 +221,9 @@ async fn validate(cfg: &Config) -> anyhow::Result<()> {
             &[&cfg.source.publication],
         )
         .await?;
-    if pubrow.is_none() {
+    if !check_publication {
+        // reported above
+    } else if pubrow.is_none() {
         problems.push(format!(
             "publication `{}` does not exist.\nFix (from `skein sql source`):\n{ddl}",
             cfg.source.publication

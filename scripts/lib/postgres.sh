@@ -1,33 +1,48 @@
 #!/usr/bin/env bash
-# Starts a private, throwaway PostgreSQL with wal_level=logical.
-# usage: source scripts/lib/postgres.sh   (needs root, as on CI; the server runs as 'postgres')
-# Exports SKEIN_PG_URL (admin URL) and registers a stop on EXIT unless SKEIN_PG_KEEP=1.
-# Honors an existing SKEIN_PG_URL: then nothing is started.
+# Private, throwaway PostgreSQL servers for the quickstart, the tests and the
+# benchmark. usage: source scripts/lib/postgres.sh
+# (needs root, as on CI; the servers run as 'postgres')
+#
+# Sourcing starts one server with wal_level=logical on PG_PORT (55432) and
+# exports SKEIN_PG_URL (its admin URL), unless SKEIN_PG_URL is already set.
+# `skein_pg_start PORT WAL_LEVEL` starts another one and prints its URL.
+# Every server started here is stopped on EXIT unless SKEIN_PG_KEEP=1.
 set -euo pipefail
-if [ -n "${SKEIN_PG_URL:-}" ]; then
-  echo "using PostgreSQL at SKEIN_PG_URL" >&2
-  return 0 2>/dev/null || exit 0
-fi
-PG_PORT=${PG_PORT:-55432}
-PG_BASE=${PG_BASE:-/tmp/skein-pg-$PG_PORT}
-PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 || true)
-if [ -z "$PGBIN" ] || [ ! -x "$PGBIN/initdb" ]; then
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q && apt-get install -y -q --no-install-recommends postgresql postgresql-client
-  PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
-fi
-id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
-if [ -f "$PG_BASE/data/postmaster.pid" ]; then
-  runuser -u postgres -- "$PGBIN/pg_ctl" -D "$PG_BASE/data" -m immediate stop >/dev/null 2>&1 || true
-fi
-rm -rf "$PG_BASE"; mkdir -p "$PG_BASE/data"; touch "$PG_BASE/pg.log"
-chown -R postgres: "$PG_BASE"; chmod 700 "$PG_BASE/data"
-runuser -u postgres -- "$PGBIN/initdb" -D "$PG_BASE/data" -U postgres -A trust -E UTF8 --no-locale --no-sync >"$PG_BASE/initdb.log"
-cat >>"$PG_BASE/data/postgresql.conf" <<CONF
+
+skein_pg_bin() {
+  local bin
+  bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 || true)
+  if [ -z "$bin" ] || [ ! -x "$bin/initdb" ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >&2 && apt-get install -y -q --no-install-recommends postgresql postgresql-client >&2
+    bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+  fi
+  echo "$bin"
+}
+
+SKEIN_PG_STOPS=${SKEIN_PG_STOPS:-}
+skein_pg_stop_all() {
+  local d
+  for d in $SKEIN_PG_STOPS; do
+    runuser -u postgres -- "$PGBIN/pg_ctl" -D "$d" -m immediate stop >/dev/null 2>&1 || true
+  done
+}
+
+# skein_pg_start PORT WAL_LEVEL: (re)creates the cluster under /tmp/skein-pg-PORT
+# and prints postgres://postgres@127.0.0.1:PORT/postgres.
+skein_pg_start() {
+  local port=$1 wal=$2 base=/tmp/skein-pg-$1
+  if [ -f "$base/data/postmaster.pid" ]; then
+    runuser -u postgres -- "$PGBIN/pg_ctl" -D "$base/data" -m immediate stop >/dev/null 2>&1 || true
+  fi
+  rm -rf "$base"; mkdir -p "$base/data"; touch "$base/pg.log"
+  chown -R postgres: "$base"; chmod 700 "$base/data"
+  runuser -u postgres -- "$PGBIN/initdb" -D "$base/data" -U postgres -A trust -E UTF8 --no-locale --no-sync >"$base/initdb.log"
+  cat >>"$base/data/postgresql.conf" <<CONF
 listen_addresses = '127.0.0.1'
-port = $PG_PORT
-unix_socket_directories = '$PG_BASE'
-wal_level = logical
+port = $port
+unix_socket_directories = '$base'
+wal_level = $wal
 max_replication_slots = 64
 max_wal_senders = 64
 max_connections = 300
@@ -35,12 +50,30 @@ fsync = off                 # throwaway cluster: speed over durability
 full_page_writes = off
 # keep synchronous_commit = on: a just-committed transaction must be visible to decoding
 CONF
-if ! runuser -u postgres -- "$PGBIN/pg_ctl" -D "$PG_BASE/data" -l "$PG_BASE/pg.log" -w -t 60 start >/dev/null; then
-  cat "$PG_BASE/pg.log"; exit 1
-fi
-if [ "${SKEIN_PG_KEEP:-0}" != 1 ]; then
-  trap 'runuser -u postgres -- "'"$PGBIN"'/pg_ctl" -D "'"$PG_BASE"'/data" -m immediate stop >/dev/null 2>&1 || true' EXIT
-fi
-export SKEIN_PG_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+  if ! runuser -u postgres -- "$PGBIN/pg_ctl" -D "$base/data" -l "$base/pg.log" -w -t 60 start >/dev/null; then
+    cat "$base/pg.log" >&2; return 1
+  fi
+  local url="postgres://postgres@127.0.0.1:$port/postgres"
+  echo "PostgreSQL ready at $url ($("$PGBIN/psql" "$url" -Atc "select current_setting('server_version')||', wal_level='||current_setting('wal_level')"))" >&2
+  echo "$url"
+}
+
+PGBIN=$(skein_pg_bin)
 export PATH="$PGBIN:$PATH"
-echo "PostgreSQL ready at $SKEIN_PG_URL ($(psql "$SKEIN_PG_URL" -Atc "select current_setting('server_version')||', wal_level='||current_setting('wal_level')"))" >&2
+id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
+if [ "${SKEIN_PG_KEEP:-0}" != 1 ]; then
+  trap skein_pg_stop_all EXIT
+fi
+
+# Registers the cluster of PORT for the stop on EXIT (a function's own
+# variables do not survive the $(...) it is called in).
+skein_pg_register() { SKEIN_PG_STOPS="$SKEIN_PG_STOPS /tmp/skein-pg-$1/data"; }
+
+if [ -n "${SKEIN_PG_URL:-}" ]; then
+  echo "using PostgreSQL at SKEIN_PG_URL" >&2
+else
+  PG_PORT=${PG_PORT:-55432}
+  SKEIN_PG_URL=$(skein_pg_start "$PG_PORT" logical)
+  skein_pg_register "$PG_PORT"
+  export SKEIN_PG_URL
+fi
