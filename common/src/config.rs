@@ -29,7 +29,7 @@ pub const DEFAULT_MAX_BATCH_CHANGES: usize = 10_000;
 /// Default time the extractor waits for more changes once the stream is quiet.
 pub const DEFAULT_BATCH_LINGER_MS: u64 = 50;
 /// Default longest time a batch stays open.
-pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 1_000;
+pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
 /// Default number of outbox rows the relay sends per transaction.
 pub const DEFAULT_RELAY_BATCH: i64 = 500;
 /// Default state directory (sled marker).

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Shell helpers around a running `skein run` (quickstart, benchmark).
+# usage: source scripts/lib/pipeline.sh; needs `src` (psql on the source DB).
+
+# skein_wait_streaming SLOT PID LOG: waits until a walsender streams SLOT
+# (not merely an active slot: it is also active while being created).
+skein_wait_streaming() {
+  local slot=$1 pid=$2 log=$3
+  for _ in $(seq 1 300); do
+    [ "$(src -c "SELECT count(*) FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = '$slot'")" = 1 ] && return 0
+    kill -0 "$pid" 2>/dev/null || { cat "$log"; return 1; }
+    sleep 0.1
+  done
+  echo "skein run did not start streaming in 30 s" >&2; cat "$log"; return 1
+}
+
+# skein_wait_settled SLOT PID LOG SECONDS: waits until everything committed so
+# far is consumed (a probe message's LSN is confirmed) and relayed.
+skein_wait_settled() {
+  local slot=$1 pid=$2 log=$3 secs=$4 probe done
+  probe=$(src -c "SELECT pg_logical_emit_message(true, 'skein.probe', '')")
+  for _ in $(seq 1 $((secs * 10))); do
+    done=$(src -c "SELECT (SELECT confirmed_flush_lsn >= '$probe' FROM pg_replication_slots WHERE slot_name = '$slot')
+                      AND NOT EXISTS (SELECT 1 FROM skein.outbox WHERE dequeued_at IS NULL)")
+    [ "$done" = t ] && return 0
+    kill -0 "$pid" 2>/dev/null || { cat "$log"; return 1; }
+    sleep 0.1
+  done
+  echo "pipeline did not catch up in $secs s" >&2; cat "$log"; return 1
+}
