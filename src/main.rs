@@ -4,16 +4,18 @@
 //! library crates together. Every subcommand takes `--config` (env
 //! `SKEIN_CONFIG`).
 
+mod distributed;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use skein_applier::hydrate::SESSION_SETTINGS;
-use skein_applier::relay::run_relay;
+use skein_applier::relay::{run_relay, RelayScope};
 use skein_applier::sidecar::{PgSidecar, Sidecar};
-use skein_applier::sink::{FileSink, Sink, StdoutSink};
-use skein_applier::{Applier, Input, IN_PROCESS_TOPIC};
+use skein_applier::sink::{FileSink, KafkaSink, Sink, StdoutSink};
+use skein_applier::{Applier, Input, ProgressKind, IN_PROCESS_TOPIC};
 use skein_common::config::{Config, SinkKind, SourceKind, TransportKind};
 use skein_common::PgLsn;
 use skein_extractor::marker::now_stamp;
@@ -48,6 +50,18 @@ enum Command {
     Run,
     /// Relay pending outbox rows to the configured sink, then keep relaying.
     Relay,
+    /// The extractor alone, producing change records to the Kafka transport topic.
+    Extract,
+    /// One applier of the Kafka consumer group (start 1 or N), relaying its partitions' outbox.
+    Apply {
+        /// Static group membership (`group.instance.id`): a restarted applier
+        /// with the same id takes its partitions back at once, without a
+        /// rebalance. Give every applier its own, stable id.
+        #[arg(long, env = "SKEIN_INSTANCE_ID")]
+        instance_id: Option<String>,
+    },
+    /// Lag per stage as JSON: slot vs WAL end, progress vs log end per partition, outbox depth.
+    Status,
     /// Print SQL to run by hand.
     Sql {
         #[command(subcommand)]
@@ -139,6 +153,9 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
         match cli.command {
             Command::Run => run(cfg).await,
             Command::Relay => relay(cfg).await,
+            Command::Extract => distributed::extract(cfg).await,
+            Command::Apply { instance_id } => distributed::apply(cfg, instance_id).await,
+            Command::Status => distributed::status(cfg).await,
             Command::Sql { what } => sql(&cfg, what).await,
             Command::Sidecar {
                 what: SidecarWhat::Migrate,
@@ -154,7 +171,7 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
     })
 }
 
-fn require_postgres(cfg: &Config, what: &str) -> anyhow::Result<()> {
+pub(crate) fn require_postgres(cfg: &Config, what: &str) -> anyhow::Result<()> {
     if cfg.source.kind != SourceKind::Postgres {
         bail!("{what} supports `source.kind: postgres` only in this version; SQL Server support is not built yet");
     }
@@ -344,40 +361,58 @@ async fn marker(cfg: &Config, what: MarkerWhat) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn make_sink(cfg: &Config) -> anyhow::Result<Box<dyn Sink>> {
+pub(crate) fn make_sink(cfg: &Config) -> anyhow::Result<Box<dyn Sink>> {
     Ok(match cfg.sink.kind {
         SinkKind::Stdout => Box::new(StdoutSink),
         SinkKind::File => {
             let path = cfg.sink.path.clone().context("sink.path")?;
             Box::new(FileSink::open(&path, cfg.sink.also_stdout)?)
         }
-        SinkKind::Kafka => bail!("the kafka sink is not built yet; use `file` or `stdout`"),
+        SinkKind::Kafka => Box::new(KafkaSink::new(
+            cfg.sink.brokers.as_deref().context("sink.brokers")?,
+            &cfg.sink.kafka_properties,
+            cfg.sink
+                .topic_prefix
+                .as_deref()
+                .context("sink.topic_prefix")?,
+            cfg.sink.mode,
+        )?),
     })
 }
 
 async fn relay(cfg: Config) -> anyhow::Result<()> {
+    let cancel = shutdown_token();
     let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
     let sink = make_sink(&cfg)?;
-    let cancel = CancellationToken::new();
-    spawn_signal_handler(cancel.clone());
-    run_relay(sidecar, sink, cfg.sink.relay_batch, cancel).await?;
+    run_relay(sidecar, sink, cfg.sink.relay_batch, RelayScope::All, cancel).await?;
     Ok(())
 }
 
-fn spawn_signal_handler(cancel: CancellationToken) {
+/// A token cancelled by SIGTERM or SIGINT. The handlers are installed
+/// before this returns, so a signal during start-up also stops cleanly.
+pub(crate) fn shutdown_token() -> CancellationToken {
+    use tokio::signal::unix::{signal, SignalKind};
+    let cancel = CancellationToken::new();
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    let c = cancel.clone();
     tokio::spawn(async move {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let (Ok(mut term), Ok(mut int)) = (term, int) else {
+            error!("cannot install signal handlers");
+            return;
+        };
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {}
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
         info!("shutting down");
-        cancel.cancel();
+        c.cancel();
     });
+    cancel
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
+    let cancel = shutdown_token();
     require_postgres(&cfg, "run")?;
     if cfg.transport.kind != TransportKind::InProcess {
         bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
@@ -405,10 +440,9 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?,
         make_sink(&cfg)?,
         cfg.sink.relay_batch,
+        RelayScope::All,
         relay_cancel.clone(),
     ));
-    let cancel = CancellationToken::new();
-    spawn_signal_handler(cancel.clone());
     let result = skein_extractor::run(&cfg, &mut source, &markers, &transport, cancel).await;
     // Stop in order: no more batches → appliers drain and exit → relay drains.
     drop(transport);
@@ -476,6 +510,8 @@ fn applier_thread(cfg: Config, catalog: skein_sql::Catalog, rx: PartitionReceive
                     upper: b.upper.as_i64(),
                     has_data_loss: b.has_data_loss,
                     records: &b.records,
+                    dead_letters: 0,
+                    kind: ProgressKind::Source,
                 })
                 .await;
             match res {

@@ -33,7 +33,8 @@ use decide::{consolidate, decide, Action};
 pub use error::{Error, Result};
 use event::{build_event, EventContext};
 use hydrate::EntityHydrator;
-use sidecar::{BatchCommit, OutboxRow, Sidecar, VersionRow};
+use sidecar::{BatchCommit, OutboxRow, Progress, Sidecar, VersionRow};
+use skein_common::failpoint::failpoint;
 
 /// Progress topic name used by the in-process transport.
 pub const IN_PROCESS_TOPIC: &str = "in-process";
@@ -51,9 +52,20 @@ pub struct Applied {
     pub batch_id: Option<i64>,
 }
 
+/// What the applier's progress counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgressKind {
+    /// In-process: progress is the source upper bound of the last batch.
+    Source,
+    /// Kafka: progress is the next offset; re-sent records (an extractor that
+    /// crashed between broker ack and marker write) are dropped by their
+    /// source position.
+    Offset,
+}
+
 /// A batch as the applier sees it, whatever the transport.
 pub struct Input<'a> {
-    /// Exclusive lower bound (for the batch row).
+    /// Exclusive lower bound (for the batch row; Kafka: the first offset).
     pub lower: i64,
     /// The progress to commit (in-process: the source upper bound; Kafka: next offset).
     pub upper: i64,
@@ -61,6 +73,10 @@ pub struct Input<'a> {
     pub has_data_loss: bool,
     /// Records in position order.
     pub records: &'a [ChangeRecord],
+    /// Records of this batch sent to the dead-letter topic.
+    pub dead_letters: i32,
+    /// What `lower`/`upper` count.
+    pub kind: ProgressKind,
 }
 
 /// One partition's applier.
@@ -71,7 +87,7 @@ pub struct Applier<S: Sidecar> {
     hydrators: HashMap<String, EntityHydrator>,
     topic: String,
     partition: u32,
-    progress: Option<Option<i64>>,
+    progress: Option<Option<Progress>>,
 }
 
 impl<S: Sidecar> Applier<S> {
@@ -101,8 +117,13 @@ impl<S: Sidecar> Applier<S> {
         }
     }
 
+    /// The partition.
+    pub fn partition(&self) -> u32 {
+        self.partition
+    }
+
     /// The committed progress (read from the sidecar once, then tracked).
-    pub async fn progress(&mut self) -> Result<Option<i64>> {
+    pub async fn progress(&mut self) -> Result<Option<Progress>> {
         if let Some(p) = self.progress {
             return Ok(p);
         }
@@ -119,24 +140,41 @@ impl<S: Sidecar> Applier<S> {
         self.progress = None;
     }
 
-    /// Applies one batch. Records whose position is at or before the stored
-    /// progress are dropped; if nothing is left, nothing is written.
+    /// Applies one batch. Records at or before the stored progress are
+    /// dropped; if nothing is left, nothing is written (in-process) or only
+    /// progress moves (Kafka, so the offset reaches the log end).
     pub async fn apply(&mut self, input: Input<'_>) -> Result<Applied> {
         let started = Instant::now();
         let expected = self.progress().await?;
-        let floor = expected.unwrap_or(i64::MIN);
+        let floor = expected.map(|p| p.position).unwrap_or(i64::MIN);
         if input.upper <= floor {
             return Ok(Applied::default());
         }
+        let applied_source = expected.and_then(|p| p.source);
+        // A record re-sent by an extractor that crashed before writing its
+        // marker is at or before what was applied, or (when the original is
+        // in this same batch) an exact repeat of one here: one source
+        // change resolves to at most one record per (entity, root).
+        let mut seen = std::collections::HashSet::new();
         let records: Vec<ChangeRecord> = input
             .records
             .iter()
-            .filter(|r| r.position.commit.as_i64() > floor)
+            .filter(|r| match input.kind {
+                ProgressKind::Source => r.position.commit.as_i64() > floor,
+                ProgressKind::Offset => applied_source.is_none_or(|s| r.position > s),
+            })
+            .filter(|r| seen.insert((r.position, &r.entity, &r.root_key)))
             .cloned()
             .collect();
-        if records.is_empty() && !input.has_data_loss {
+        let dropped = input.records.len() - records.len();
+        if records.is_empty()
+            && !input.has_data_loss
+            && input.dead_letters == 0
+            && (input.kind == ProgressKind::Source || input.records.is_empty())
+        {
             return Ok(Applied::default());
         }
+        let source_after = records.iter().map(|r| r.position).max().max(applied_source);
         let correlation_id = uuid::Uuid::now_v7().to_string();
         let consolidated = consolidate(&records);
 
@@ -198,8 +236,10 @@ impl<S: Sidecar> Applier<S> {
             group: self.cfg.name.clone(),
             topic: self.topic.clone(),
             partition: self.partition,
-            expected,
+            expected: expected.map(|p| p.position),
             position: input.upper,
+            source: source_after,
+            dead_letters: input.dead_letters,
             lower: input.lower,
             upper: input.upper,
             correlation_id,
@@ -209,6 +249,7 @@ impl<S: Sidecar> Applier<S> {
             outbox,
             versions,
         };
+        failpoint("applier.before_sidecar");
         let result = self.sidecar.commit(&commit).await;
         let batch_id = match result {
             Ok(id) => id,
@@ -218,18 +259,28 @@ impl<S: Sidecar> Applier<S> {
                 return Err(e);
             }
         };
-        self.progress = Some(Some(input.upper));
+        failpoint("applier.after_sidecar");
+        self.progress = Some(Some(Progress {
+            position: input.upper,
+            source: source_after,
+        }));
         let applied = Applied {
             records: records.len(),
             entities: consolidated.len(),
             events: commit.outbox.len(),
             batch_id: Some(batch_id),
         };
+        let upper = match input.kind {
+            ProgressKind::Source => PgLsn::from_i64(input.upper).to_string(),
+            ProgressKind::Offset => format!("offset {}", input.upper),
+        };
         info!(
             partition = self.partition,
             batch_id,
-            upper = %PgLsn::from_i64(input.upper),
+            upper = %upper,
             records = applied.records,
+            duplicates = dropped,
+            dead_letters = input.dead_letters,
             entities = applied.entities,
             events = applied.events,
             ms = started.elapsed().as_millis() as u64,

@@ -8,34 +8,75 @@ use tracing::{info, info_span, Instrument};
 
 use crate::error::{db, Result};
 use crate::sidecar::PgSidecar;
-use crate::sink::Sink;
+use crate::sink::{Sink, SinkEvent};
+
+/// Which outbox rows a relay takes.
+#[derive(Clone, Debug, Default)]
+pub enum RelayScope {
+    /// Every partition, skipping rows another relay holds (run one such relay).
+    #[default]
+    All,
+    /// Only the partitions this process owns (`skein apply`). Rows are locked
+    /// without skipping, so a relay that takes a partition over waits for
+    /// the previous owner's send to finish and keeps per-aggregate order.
+    Partitions(std::sync::Arc<std::sync::Mutex<Vec<i32>>>),
+}
 
 /// Sends at most `limit` pending outbox rows in id order and marks them
 /// dequeued in the same transaction, after the sink has them. Returns how
-/// many were sent. Rows locked by another relay are skipped.
-pub async fn relay_once(sidecar: &mut PgSidecar, sink: &mut dyn Sink, limit: i64) -> Result<usize> {
+/// many were sent.
+pub async fn relay_once(
+    sidecar: &mut PgSidecar,
+    sink: &mut dyn Sink,
+    limit: i64,
+    scope: &RelayScope,
+) -> Result<usize> {
     let q = sidecar.schema_ident().to_string();
     let client = sidecar.client();
     let tx = client
         .transaction()
         .await
         .map_err(db("beginning the relay transaction"))?;
-    let rows = tx
-        .query(
-            &format!(
-                "SELECT id, event FROM {q}.\"outbox\" WHERE dequeued_at IS NULL \
-                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
-            ),
-            &[&limit],
-        )
-        .await
-        .map_err(db("reading the outbox"))?;
+    let rows = match scope {
+        RelayScope::All => {
+            tx.query(
+                &format!(
+                    "SELECT id, entity, event FROM {q}.\"outbox\" WHERE dequeued_at IS NULL \
+                     ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+                ),
+                &[&limit],
+            )
+            .await
+        }
+        RelayScope::Partitions(owned) => {
+            let owned: Vec<i32> = owned.lock().map(|o| o.clone()).unwrap_or_default();
+            if owned.is_empty() {
+                return Ok(0);
+            }
+            tx.query(
+                &format!(
+                    "SELECT id, entity, event FROM {q}.\"outbox\" WHERE dequeued_at IS NULL \
+                     AND partition = ANY($2) ORDER BY id LIMIT $1 FOR UPDATE"
+                ),
+                &[&limit, &owned],
+            )
+            .await
+        }
+    }
+    .map_err(db("reading the outbox"))?;
     if rows.is_empty() {
         return Ok(0);
     }
     let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-    let events: Vec<String> = rows.iter().map(|r| r.get(1)).collect();
-    sink.send(&events)?;
+    let events: Vec<SinkEvent> = rows
+        .iter()
+        .map(|r| SinkEvent {
+            entity: r.get(1),
+            event: r.get(2),
+        })
+        .collect();
+    // A sink may block (file sync, broker acknowledgement).
+    tokio::task::block_in_place(|| sink.send(&events))?;
     failpoint("relay.after_send_before_mark");
     tx.execute(
         &format!("UPDATE {q}.\"outbox\" SET dequeued_at = clock_timestamp() WHERE id = ANY($1)"),
@@ -54,12 +95,13 @@ pub async fn run_relay(
     mut sidecar: PgSidecar,
     mut sink: Box<dyn Sink>,
     limit: i64,
+    scope: RelayScope,
     cancel: CancellationToken,
 ) -> Result<()> {
     async move {
         let mut total = 0usize;
         loop {
-            let n = relay_once(&mut sidecar, sink.as_mut(), limit).await?;
+            let n = relay_once(&mut sidecar, sink.as_mut(), limit, &scope).await?;
             total += n;
             if n > 0 {
                 tracing::debug!(sent = n, "relayed");

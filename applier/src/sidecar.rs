@@ -5,6 +5,8 @@ use std::collections::HashMap;
 
 use skein_common::config::Secret;
 use skein_common::failpoint::failpoint;
+use skein_common::position::ChangePosition;
+use skein_common::PgLsn;
 use skein_sql::postgres::sidecar_ddl;
 use skein_sql::quote_ident;
 use tokio_postgres::NoTls;
@@ -56,6 +58,10 @@ pub struct BatchCommit {
     pub expected: Option<i64>,
     /// The new progress.
     pub position: i64,
+    /// The last source change applied in this partition, after this batch.
+    pub source: Option<ChangePosition>,
+    /// Records sent to the dead-letter topic in this batch.
+    pub dead_letters: i32,
     /// Batch bounds (for the batch row).
     pub lower: i64,
     /// Batch bounds (for the batch row).
@@ -74,6 +80,15 @@ pub struct BatchCommit {
     pub versions: Vec<VersionRow>,
 }
 
+/// A partition's committed progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// In-process: the source upper bound; Kafka: the next offset to consume.
+    pub position: i64,
+    /// The last source change applied (Kafka drops re-sent records by it).
+    pub source: Option<ChangePosition>,
+}
+
 /// The sidecar store.
 ///
 /// Contract: [`Sidecar::commit`] writes outbox rows, versions, the batch row
@@ -90,7 +105,7 @@ pub trait Sidecar {
         group: &str,
         topic: &str,
         partition: u32,
-    ) -> impl std::future::Future<Output = Result<Option<i64>>> + Send;
+    ) -> impl std::future::Future<Output = Result<Option<Progress>>> + Send;
     /// Stored versions of the given keys of an entity.
     fn versions(
         &self,
@@ -147,25 +162,40 @@ impl PgSidecar {
 
 impl Sidecar for PgSidecar {
     async fn migrate(&self) -> Result<()> {
+        // `IF NOT EXISTS` notices are noise on every start.
         self.client
-            .batch_execute(&sidecar_ddl(&self.schema))
+            .batch_execute(&format!(
+                "SET client_min_messages TO warning;\n{}\nRESET client_min_messages;",
+                sidecar_ddl(&self.schema)
+            ))
             .await
             .map_err(db("creating the sidecar schema"))
     }
 
-    async fn progress(&self, group: &str, topic: &str, partition: u32) -> Result<Option<i64>> {
+    async fn progress(&self, group: &str, topic: &str, partition: u32) -> Result<Option<Progress>> {
         let row = self
             .client
             .query_opt(
                 &format!(
-                    "SELECT position FROM {}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3",
+                    "SELECT position, source_commit, source_seq FROM {}.\"progress\" \
+                     WHERE group_name = $1 AND topic = $2 AND partition = $3",
                     self.q
                 ),
                 &[&group, &topic, &(partition as i32)],
             )
             .await
             .map_err(db("reading progress"))?;
-        Ok(row.map(|r| r.get(0)))
+        Ok(row.map(|r| {
+            let commit: Option<i64> = r.get(1);
+            let seq: Option<i64> = r.get(2);
+            Progress {
+                position: r.get(0),
+                source: commit.zip(seq).map(|(c, s)| ChangePosition {
+                    commit: PgLsn::from_i64(c),
+                    seq: s as u32,
+                }),
+            }
+        }))
     }
 
     async fn versions(&self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
@@ -204,25 +234,28 @@ impl Sidecar for PgSidecar {
             .map_err(db("beginning the batch transaction"))?;
         let partition = b.partition as i32;
 
+        let src_commit: Option<i64> = b.source.map(|p| p.commit.as_i64());
+        let src_seq: Option<i64> = b.source.map(|p| i64::from(p.seq));
         // 1. Fence: move progress only from where this applier started.
         let moved = match b.expected {
             Some(expected) => tx
                 .execute(
                     &format!(
-                        "UPDATE {q}.\"progress\" SET position = $4, updated_at = now() \
+                        "UPDATE {q}.\"progress\" SET position = $4, source_commit = $6, source_seq = $7, \
+                         updated_at = now() \
                          WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5"
                     ),
-                    &[&b.group, &b.topic, &partition, &b.position, &expected],
+                    &[&b.group, &b.topic, &partition, &b.position, &expected, &src_commit, &src_seq],
                 )
                 .await
                 .map_err(db("advancing progress"))?,
             None => tx
                 .execute(
                     &format!(
-                        "INSERT INTO {q}.\"progress\" (group_name, topic, partition, position) \
-                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"
+                        "INSERT INTO {q}.\"progress\" (group_name, topic, partition, position, source_commit, source_seq) \
+                         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING"
                     ),
-                    &[&b.group, &b.topic, &partition, &b.position],
+                    &[&b.group, &b.topic, &partition, &b.position, &src_commit, &src_seq],
                 )
                 .await
                 .map_err(db("creating progress"))?,
@@ -251,8 +284,8 @@ impl Sidecar for PgSidecar {
             .query_one(
                 &format!(
                     "INSERT INTO {q}.\"batch\" (correlation_id, group_name, topic, partition, lower_position, \
-                     upper_position, record_count, entity_count, event_count, has_data_loss) \
-                     VALUES ($1::text::uuid, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id"
+                     upper_position, record_count, entity_count, event_count, has_data_loss, dead_letters) \
+                     VALUES ($1::text::uuid, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING id"
                 ),
                 &[
                     &b.correlation_id,
@@ -265,6 +298,7 @@ impl Sidecar for PgSidecar {
                     &b.entity_count,
                     &(b.outbox.len() as i32),
                     &b.has_data_loss,
+                    &b.dead_letters,
                 ],
             )
             .await

@@ -5,6 +5,7 @@
 //! checks what can be checked without I/O; `skein validate` adds the checks
 //! that need the source.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -133,7 +134,7 @@ fn default_publication() -> String {
 }
 
 /// `sidecar:`
-#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SidecarConfig {
     /// Connection URL; defaults to the source URL (sidecar schema in the source database).
@@ -145,6 +146,16 @@ pub struct SidecarConfig {
 
 fn default_sidecar_schema() -> String {
     DEFAULT_SIDECAR_SCHEMA.into()
+}
+
+impl Default for SidecarConfig {
+    /// Without a `sidecar:` section: schema `skein` in the source database.
+    fn default() -> Self {
+        SidecarConfig {
+            url: None,
+            schema: default_sidecar_schema(),
+        }
+    }
 }
 
 /// Transport kind.
@@ -176,6 +187,37 @@ pub struct TransportConfig {
     pub brokers: Option<String>,
     /// Kafka topic of change records.
     pub topic: Option<String>,
+    /// Kafka: replication factor when skein creates the topic.
+    #[serde(default = "default_replication_factor")]
+    pub replication_factor: i32,
+    /// Kafka: consumer group of the appliers (default `skein-<name>`).
+    pub group: Option<String>,
+    /// Kafka: most records an applier takes into one batch per partition.
+    #[serde(default = "default_max_batch_records")]
+    pub max_batch_records: usize,
+    /// Kafka: how long an applier collects records before applying them.
+    #[serde(default = "default_batch_wait_ms")]
+    pub batch_wait_ms: u64,
+    /// Kafka: `skein apply` also relays the outbox rows of its partitions.
+    #[serde(default = "default_true")]
+    pub relay_in_apply: bool,
+    /// Any librdkafka property (`security.protocol`, `sasl.*`, `ssl.*`, …),
+    /// passed through to the producer and consumers. Never logged.
+    #[serde(default)]
+    pub kafka_properties: BTreeMap<String, Secret>,
+}
+
+fn default_replication_factor() -> i32 {
+    1
+}
+fn default_max_batch_records() -> usize {
+    DEFAULT_MAX_BATCH_CHANGES
+}
+fn default_batch_wait_ms() -> u64 {
+    DEFAULT_BATCH_LINGER_MS
+}
+fn default_true() -> bool {
+    true
 }
 
 fn default_partitions() -> u32 {
@@ -193,6 +235,12 @@ impl Default for TransportConfig {
             channel_capacity: DEFAULT_CHANNEL_CAPACITY,
             brokers: None,
             topic: None,
+            replication_factor: default_replication_factor(),
+            group: None,
+            max_batch_records: default_max_batch_records(),
+            batch_wait_ms: default_batch_wait_ms(),
+            relay_in_apply: true,
+            kafka_properties: BTreeMap::new(),
         }
     }
 }
@@ -224,8 +272,15 @@ pub struct SinkConfig {
     pub also_stdout: bool,
     /// Kafka sink brokers.
     pub brokers: Option<String>,
-    /// Kafka sink topic prefix.
+    /// Kafka sink topic prefix: events go to `{topic_prefix}.{entity}`.
     pub topic_prefix: Option<String>,
+    /// Kafka sink: CloudEvents `structured` (the event JSON as the value) or
+    /// `binary` (`data` as the value, attributes as `ce_*` headers).
+    #[serde(default)]
+    pub mode: EventMode,
+    /// Kafka sink: librdkafka properties, as for the transport. Never logged.
+    #[serde(default)]
+    pub kafka_properties: BTreeMap<String, Secret>,
     /// Outbox rows per relay transaction.
     #[serde(default = "default_relay_batch")]
     pub relay_batch: i64,
@@ -243,9 +298,22 @@ impl Default for SinkConfig {
             also_stdout: false,
             brokers: None,
             topic_prefix: None,
+            mode: EventMode::Structured,
+            kafka_properties: BTreeMap::new(),
             relay_batch: DEFAULT_RELAY_BATCH,
         }
     }
+}
+
+/// CloudEvents Kafka protocol binding content mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventMode {
+    /// The whole event as JSON in the message value.
+    #[default]
+    Structured,
+    /// `data` as the value, the other attributes as `ce_` headers.
+    Binary,
 }
 
 /// How the `action` is spelled in event types.
@@ -615,6 +683,18 @@ impl Config {
                 "sink kind `file` needs `path`".into(),
             ));
         }
+        if self.sink.kind == SinkKind::Kafka && self.sink.topic_prefix.is_none() {
+            return Err(err(
+                &[Key("sink"), Key("topic_prefix")],
+                "sink kind `kafka` needs `topic_prefix`".into(),
+            ));
+        }
+        if self.transport.kind == TransportKind::Kafka && self.transport.max_batch_records == 0 {
+            return Err(err(
+                &[Key("transport"), Key("max_batch_records")],
+                "must be at least 1".into(),
+            ));
+        }
         if self.sink.kind == SinkKind::Kafka && self.sink.brokers.is_none() {
             return Err(err(
                 &[Key("sink"), Key("brokers")],
@@ -713,6 +793,14 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The Kafka consumer group of the appliers: `transport.group` or `skein-<name>`.
+    pub fn consumer_group(&self) -> String {
+        self.transport
+            .group
+            .clone()
+            .unwrap_or_else(|| format!("skein-{}", self.name))
     }
 
     /// The sidecar URL (the source's when not configured).
@@ -897,6 +985,28 @@ entities:
         assert_eq!(c.transport.partitions, DEFAULT_PARTITIONS);
         assert!(
             !format!("{c:?}").contains("secret"),
+            "Debug must hide secrets"
+        );
+    }
+
+    #[test]
+    fn defaults_apply_without_sections_and_kafka_secrets_stay_hidden() {
+        let c = Config::from_yaml(
+            &SAMPLE.replace("sidecar: { schema: skein }\n", "").replace(
+                "entities:",
+                "transport: { kind: kafka, brokers: b, topic: t,\n  kafka_properties: { sasl.password: hunter2 } }\nentities:",
+            ),
+            "t.yaml",
+        )
+        .unwrap();
+        assert_eq!(c.sidecar.schema, DEFAULT_SIDECAR_SCHEMA);
+        assert_eq!(c.consumer_group(), format!("skein-{}", c.name));
+        assert_eq!(
+            c.transport.kafka_properties["sasl.password"].expose(),
+            "hunter2"
+        );
+        assert!(
+            !format!("{c:?}").contains("hunter2"),
             "Debug must hide secrets"
         );
     }

@@ -1,6 +1,9 @@
 //! Crash injection for tests: `SKEIN_FAILPOINT=<name>` makes the process
 //! abort (like a SIGKILL: no destructors, no flushing) when it reaches the
 //! named point. `SKEIN_FAILPOINT=<name>:<n>` aborts on the n-th time.
+//! `SKEIN_FAILPOINT=<name>:<n>:sleep=<ms>` instead stalls the calling thread
+//! that long on the n-th time (a process paused mid-batch, as by a long GC
+//! or a frozen VM), then carries on.
 //! Costs one environment read per call when unset; the points sit on batch
 //! boundaries, not per row.
 
@@ -8,20 +11,57 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 static HITS: AtomicU64 = AtomicU64::new(0);
 
-/// Aborts the process if `SKEIN_FAILPOINT` names this point.
+/// What a failpoint does when it fires.
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    Abort,
+    Sleep(u64),
+}
+
+fn parse(spec: &str) -> (&str, u64, Action) {
+    let mut parts = spec.split(':');
+    let point = parts.next().unwrap_or("");
+    let nth = parts.next().and_then(|n| n.parse().ok()).unwrap_or(1);
+    let action = match parts.next().and_then(|a| a.strip_prefix("sleep=")) {
+        Some(ms) => Action::Sleep(ms.parse().unwrap_or(0)),
+        None => Action::Abort,
+    };
+    (point, nth, action)
+}
+
+/// Aborts (or stalls) the process if `SKEIN_FAILPOINT` names this point.
 pub fn failpoint(name: &str) {
     let Ok(spec) = std::env::var("SKEIN_FAILPOINT") else {
         return;
     };
-    let (point, nth) = match spec.split_once(':') {
-        Some((p, n)) => (p.to_string(), n.parse::<u64>().unwrap_or(1)),
-        None => (spec, 1),
-    };
+    let (point, nth, action) = parse(&spec);
     if point != name {
         return;
     }
-    if HITS.fetch_add(1, Ordering::SeqCst) + 1 >= nth {
-        eprintln!("skein: failpoint `{name}` reached, aborting");
-        std::process::abort();
+    if HITS.fetch_add(1, Ordering::SeqCst) + 1 != nth {
+        return;
+    }
+    match action {
+        Action::Abort => {
+            eprintln!("skein: failpoint `{name}` reached, aborting");
+            std::process::abort();
+        }
+        Action::Sleep(ms) => {
+            eprintln!("skein: failpoint `{name}` reached, stalling {ms} ms");
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            eprintln!("skein: failpoint `{name}` resumes");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse() {
+        assert_eq!(parse("a.b"), ("a.b", 1, Action::Abort));
+        assert_eq!(parse("a.b:3"), ("a.b", 3, Action::Abort));
+        assert_eq!(parse("a.b:2:sleep=500"), ("a.b", 2, Action::Sleep(500)));
     }
 }

@@ -10,7 +10,7 @@ use crate::catalog::{Catalog, ColumnInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
-pub const SIDECAR_SCHEMA_VERSION: i32 = 1;
+pub const SIDECAR_SCHEMA_VERSION: i32 = 2;
 
 /// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
@@ -248,15 +248,21 @@ CREATE TABLE IF NOT EXISTS {s}."schema_version" (
 );
 
 -- The exactly-once recovery marker: the last source position (in-process) or
--- Kafka offset each partition consumed. Moves only inside the batch transaction.
+-- the next Kafka offset each partition consumes, plus the last source change
+-- applied (re-sent records at or before it are dropped). Moves only inside the
+-- batch transaction.
 CREATE TABLE IF NOT EXISTS {s}."progress" (
-  "group_name" text        NOT NULL,
-  "topic"      text        NOT NULL,
-  "partition"  integer     NOT NULL,
-  "position"   bigint      NOT NULL,
-  "updated_at" timestamptz NOT NULL DEFAULT now(),
+  "group_name"    text        NOT NULL,
+  "topic"         text        NOT NULL,
+  "partition"     integer     NOT NULL,
+  "position"      bigint      NOT NULL,
+  "source_commit" bigint,
+  "source_seq"    bigint,
+  "updated_at"    timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY ("group_name", "topic", "partition")
 );
+ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_commit" bigint;
+ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
 
 CREATE TABLE IF NOT EXISTS {s}."batch" (
   "id"             bigserial   PRIMARY KEY,
@@ -270,8 +276,11 @@ CREATE TABLE IF NOT EXISTS {s}."batch" (
   "entity_count"   integer     NOT NULL,
   "event_count"    integer     NOT NULL,
   "has_data_loss"  boolean     NOT NULL DEFAULT false,
+  "dead_letters"   integer     NOT NULL DEFAULT 0,
   "created_at"     timestamptz NOT NULL DEFAULT now()
 );
+-- Undecodable records sent to the dead-letter topic by this batch.
+ALTER TABLE {s}."batch" ADD COLUMN IF NOT EXISTS "dead_letters" integer NOT NULL DEFAULT 0;
 
 CREATE TABLE IF NOT EXISTS {s}."version" (
   "entity"     text        NOT NULL,

@@ -19,6 +19,42 @@ pub fn admin_url() -> String {
     )
 }
 
+/// The transport the pipeline tests run over: `SKEIN_TEST_TRANSPORT=kafka`
+/// (with `SKEIN_TEST_KAFKA_BROKERS`, both set by `scripts/test`) or the
+/// in-process default.
+pub fn kafka_brokers() -> Option<String> {
+    match std::env::var("SKEIN_TEST_TRANSPORT").as_deref() {
+        Ok("kafka") => Some(std::env::var("SKEIN_TEST_KAFKA_BROKERS").expect(
+            "SKEIN_TEST_KAFKA_BROKERS is not set: run the tests with `scripts/test`, which starts a broker",
+        )),
+        Ok("in-process") | Err(_) => None,
+        Ok(other) => panic!("SKEIN_TEST_TRANSPORT={other}: use kafka or in-process"),
+    }
+}
+
+/// Rewrites the quickstart transport section for Kafka, keeping `partitions`
+/// on its line. `topic` should be unique: the broker outlives test runs. It
+/// names the consumer group too, so parallel tests do not share one.
+pub fn kafka_transport_yaml(yaml: &str, brokers: &str, topic: &str) -> String {
+    yaml.replace("  kind: in-process\n", "  kind: kafka\n").replacen(
+        "  partitions: 4\n",
+        &format!(
+            "  partitions: 4\n  brokers: {brokers}\n  topic: {topic}\n  group: {topic}\n  batch_wait_ms: 20\n  \
+             kafka_properties: {{ session.timeout.ms: \"6000\", heartbeat.interval.ms: \"500\", max.poll.interval.ms: \"10000\" }}\n"
+        ),
+        1,
+    )
+}
+
+/// A topic name no earlier run used.
+pub fn fresh_topic(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("skein_t_{name}.{nanos}")
+}
+
 pub async fn connect(url: &str) -> Client {
     let (c, conn) = tokio_postgres::connect(url, NoTls)
         .await
@@ -87,6 +123,10 @@ impl Env {
             .unwrap()
             .replace("skein_quickstart", &format!("skein_{name}"))
             .replace("also_stdout: true", "also_stdout: false");
+        let yaml = match kafka_brokers() {
+            Some(b) => kafka_transport_yaml(&yaml, &b, &fresh_topic(name)),
+            None => yaml,
+        };
         let config = dir.join("skein.yaml");
         std::fs::write(&config, edit(yaml)).unwrap();
         let env = Env {
@@ -109,6 +149,26 @@ impl Env {
         env
     }
 
+    /// The processes of the pipeline: `run`, or `extract` + `apply` over Kafka.
+    pub fn processes(&self) -> &'static [&'static str] {
+        if self.is_kafka() {
+            &["extract", "apply"]
+        } else {
+            &["run"]
+        }
+    }
+
+    /// The process that holds the slot and the marker.
+    pub fn extractor_command(&self) -> &'static str {
+        self.processes()[0]
+    }
+
+    pub fn is_kafka(&self) -> bool {
+        std::fs::read_to_string(&self.config)
+            .map(|y| y.contains("  kind: kafka\n"))
+            .unwrap_or(false)
+    }
+
     pub fn slot(&self) -> String {
         format!("skein_{}", self.name)
     }
@@ -120,7 +180,8 @@ impl Env {
             .arg(&self.config)
             .env("SKEIN_SOURCE_URL", &self.url)
             .env("SKEIN_OUT_DIR", &self.dir)
-            .env_remove("SKEIN_FAILPOINT");
+            .env_remove("SKEIN_FAILPOINT")
+            .env_remove("SKEIN_INSTANCE_ID");
         c
     }
 
@@ -134,17 +195,39 @@ impl Env {
     }
 
     pub async fn start_with(&self, env: &[(&str, &str)]) -> Running {
+        let mut r = Running { children: vec![] };
+        for p in self.processes() {
+            // Appliers use static membership: a restarted one takes its
+            // partitions back at once (noida-db never expires a member that
+            // died without leaving; see scripts/lib/kafka.sh).
+            let id = format!("{}-{p}-0", self.name);
+            let mut env: Vec<(&str, &str)> = env.to_vec();
+            env.push(("SKEIN_INSTANCE_ID", &id));
+            r.children.push((p.to_string(), self.spawn(p, &env)));
+        }
+        self.wait_streaming(&mut r).await;
+        r
+    }
+
+    /// Starts one more `skein <what>` process into `r` (a second applier).
+    pub fn spawn_into(&self, r: &mut Running, what: &str, env: &[(&str, &str)]) {
+        r.children.push((what.to_string(), self.spawn(what, env)));
+    }
+
+    fn spawn(&self, what: &str, env: &[(&str, &str)]) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join("skein.log"))
             .unwrap();
-        let mut cmd = self.command(&["run"]);
+        let mut cmd = self.command(&[what]);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap();
-        let mut r = Running { child };
+        cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap()
+    }
+
+    async fn wait_streaming(&self, r: &mut Running) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let row = self
@@ -162,18 +245,15 @@ impl Env {
             if row.is_some() {
                 break;
             }
-            if let Some(status) = r.child.try_wait().unwrap() {
-                panic!("skein run exited with {status}: {}", self.log());
-            }
+            r.check_alive(self);
             assert!(
                 Instant::now() < deadline,
-                "skein run did not start: {}",
+                "skein did not start: {}",
                 self.log()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         r.check_alive(self);
-        r
     }
 
     pub fn log(&self) -> String {
@@ -209,7 +289,7 @@ impl Env {
                 .await
                 .unwrap()
                 .get(0);
-            if done == Some(true) {
+            if done == Some(true) && (!self.is_kafka() || self.kafka_caught_up()) {
                 return;
             }
             assert!(
@@ -219,6 +299,20 @@ impl Env {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Kafka: every partition's sidecar progress is at the log end
+    /// (`skein status`).
+    pub fn kafka_caught_up(&self) -> bool {
+        let out = self.skein(&["status"]);
+        if !out.status.success() {
+            return false;
+        }
+        let v: Value = match serde_json::from_slice(&out.stdout) {
+            Ok(v) => v,
+            Err(_) => return false,
+        };
+        v["transport_lag"] == 0 && v["outbox"]["pending"] == 0
     }
 
     /// Drops the slot once no walsender holds it any more (a stopped
@@ -289,44 +383,67 @@ impl Env {
     }
 }
 
+/// The pipeline's processes. Dropping it (a failed test) kills them.
 pub struct Running {
-    pub child: Child,
+    /// (command, process)
+    pub children: Vec<(String, Child)>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 impl Running {
     pub fn check_alive(&mut self, env: &Env) {
-        if let Some(status) = self.child.try_wait().unwrap() {
-            panic!("skein run exited early with {status}:\n{}", env.log());
+        for (what, c) in &mut self.children {
+            if let Some(status) = c.try_wait().unwrap() {
+                panic!("skein {what} exited early with {status}:\n{}", env.log());
+            }
         }
     }
 
-    /// SIGTERM and wait; asserts a clean exit.
+    /// SIGTERM and wait; asserts a clean exit of every process.
     pub fn stop(mut self, env: &Env) {
-        unsafe_kill(self.child.id(), "TERM");
-        let status = self.child.wait().unwrap();
-        assert!(
-            status.success(),
-            "skein run did not stop cleanly ({status}):\n{}",
-            env.log()
-        );
+        for (_, c) in &self.children {
+            unsafe_kill(c.id(), "TERM");
+        }
+        for (what, c) in &mut self.children {
+            let status = c.wait().unwrap();
+            assert!(
+                status.success(),
+                "skein {what} did not stop cleanly ({status}):\n{}",
+                env.log()
+            );
+        }
     }
 
-    /// SIGKILL and wait.
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    /// SIGKILL and wait (what dropping does).
+    pub fn kill(self) {}
+
+    /// SIGKILLs the `i`-th process only and forgets it.
+    pub fn kill_one(&mut self, i: usize) {
+        let (_, mut c) = self.children.remove(i);
+        let _ = c.kill();
+        let _ = c.wait();
     }
 
-    /// Waits for the process to exit by itself (e.g. at a failpoint).
+    /// Waits for one process to exit by itself (e.g. at a failpoint), kills
+    /// the others (on drop), and returns that exit status.
     pub fn wait_exit(mut self, within: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + within;
         loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
+            for (_, c) in &mut self.children {
+                if let Some(s) = c.try_wait().unwrap() {
+                    return s;
+                }
             }
             if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("process did not exit within {within:?}");
+                panic!("no process exited within {within:?}");
             }
             std::thread::sleep(Duration::from_millis(20));
         }

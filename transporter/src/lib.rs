@@ -9,6 +9,8 @@
 //! is acknowledged only when every partition's applier has committed its
 //! slice to the sidecar (or found nothing new in it).
 
+pub mod kafka;
+
 use std::time::Duration;
 
 use skein_common::record::partition_for;
@@ -26,6 +28,9 @@ pub enum Error {
     /// An applier reported that it could not commit its slice.
     #[error("partition {partition}: the applier failed: {message}")]
     ApplierFailed { partition: u32, message: String },
+    /// The Kafka broker did not take or acknowledge a record.
+    #[error("kafka: {message}")]
+    Broker { message: String },
 }
 
 impl Error {

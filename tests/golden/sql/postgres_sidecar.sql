@@ -1,4 +1,4 @@
--- skein sidecar schema, version 1.
+-- skein sidecar schema, version 2.
 CREATE SCHEMA IF NOT EXISTS "skein";
 
 CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
@@ -7,15 +7,21 @@ CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
 );
 
 -- The exactly-once recovery marker: the last source position (in-process) or
--- Kafka offset each partition consumed. Moves only inside the batch transaction.
+-- the next Kafka offset each partition consumes, plus the last source change
+-- applied (re-sent records at or before it are dropped). Moves only inside the
+-- batch transaction.
 CREATE TABLE IF NOT EXISTS "skein"."progress" (
-  "group_name" text        NOT NULL,
-  "topic"      text        NOT NULL,
-  "partition"  integer     NOT NULL,
-  "position"   bigint      NOT NULL,
-  "updated_at" timestamptz NOT NULL DEFAULT now(),
+  "group_name"    text        NOT NULL,
+  "topic"         text        NOT NULL,
+  "partition"     integer     NOT NULL,
+  "position"      bigint      NOT NULL,
+  "source_commit" bigint,
+  "source_seq"    bigint,
+  "updated_at"    timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY ("group_name", "topic", "partition")
 );
+ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_commit" bigint;
+ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
 
 CREATE TABLE IF NOT EXISTS "skein"."batch" (
   "id"             bigserial   PRIMARY KEY,
@@ -29,8 +35,11 @@ CREATE TABLE IF NOT EXISTS "skein"."batch" (
   "entity_count"   integer     NOT NULL,
   "event_count"    integer     NOT NULL,
   "has_data_loss"  boolean     NOT NULL DEFAULT false,
+  "dead_letters"   integer     NOT NULL DEFAULT 0,
   "created_at"     timestamptz NOT NULL DEFAULT now()
 );
+-- Undecodable records sent to the dead-letter topic by this batch.
+ALTER TABLE "skein"."batch" ADD COLUMN IF NOT EXISTS "dead_letters" integer NOT NULL DEFAULT 0;
 
 CREATE TABLE IF NOT EXISTS "skein"."version" (
   "entity"     text        NOT NULL,
@@ -57,4 +66,4 @@ CREATE TABLE IF NOT EXISTS "skein"."outbox" (
 CREATE INDEX IF NOT EXISTS "outbox_pending" ON "skein"."outbox" ("id") WHERE "dequeued_at" IS NULL;
 CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox" ("entity", "key", "id");
 
-INSERT INTO "skein"."schema_version" ("version") VALUES (1) ON CONFLICT DO NOTHING;
+INSERT INTO "skein"."schema_version" ("version") VALUES (2) ON CONFLICT DO NOTHING;

