@@ -129,6 +129,10 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     result
 }
 
+/// How often an idle applier checks that its partitions' progress was not
+/// moved by someone else.
+const PROGRESS_CHECK: Duration = Duration::from_secs(2);
+
 /// What a rebalance callback left for the loop.
 enum Rebalanced {
     Assigned(Vec<i32>),
@@ -311,6 +315,7 @@ fn consume(
     let max = cfg.transport.max_batch_records;
     let entities: std::collections::HashSet<String> =
         cfg.entities.iter().map(|e| e.name.clone()).collect();
+    let mut last_progress_check = Instant::now();
     while !cancel.is_cancelled() {
         let deadline = Instant::now() + wait;
         let mut taken = 0usize;
@@ -403,6 +408,31 @@ fn consume(
             bail!("{f}");
         }
         if bufs.is_empty() {
+            // Idle: notice a progress rewound under us (`skein replay
+            // --force-while-running`) even without records to commit.
+            if last_progress_check.elapsed() > PROGRESS_CHECK {
+                last_progress_check = Instant::now();
+                let owned_now = owned.lock().map(|o| o.clone()).unwrap_or_default();
+                for p in owned_now {
+                    let Some(a) = appliers.get_mut(&p) else {
+                        continue;
+                    };
+                    let Some(believed) = a.cached_progress() else {
+                        continue;
+                    };
+                    a.reset_progress();
+                    let now = rt.block_on(a.progress())?;
+                    if now != believed {
+                        warn!(partition = p, believed = ?believed.map(|x| x.position), now = ?now.map(|x| x.position), "progress moved under this applier (a replay?); re-seeking");
+                        let to = now
+                            .map(|x| Offset::Offset(x.position))
+                            .unwrap_or(Offset::Beginning);
+                        if let Err(e) = consumer.seek(&topic, p, to, Duration::from_secs(10)) {
+                            warn!(partition = p, error = %e, "seek failed");
+                        }
+                    }
+                }
+            }
             continue;
         }
         // Apply one batch per partition, the partitions concurrently.
@@ -633,5 +663,258 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
         serde_json::json!({ "pending": row.get::<_, i64>(0), "oldest_pending_ms": row.get::<_, i64>(1) }),
     );
     println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+/// What `skein replay` rewinds to.
+pub enum ReplayFrom {
+    /// This offset.
+    Offset(i64),
+    /// The first offset at or after this time (Kafka offsets-for-times).
+    Time(i64),
+}
+
+/// For each partition, the first offset in `[from, end)` whose record's
+/// timestamp is at or after `ms`; partitions with none are left out.
+fn first_at_or_after(
+    consumer: &BaseConsumer,
+    topic: &str,
+    from: &HashMap<i32, i64>,
+    end: &HashMap<i32, i64>,
+    ms: i64,
+) -> anyhow::Result<HashMap<i32, i64>> {
+    let mut pending: HashMap<i32, (i64, i64)> = HashMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for (p, o) in from {
+        if let Some(&e) = end.get(p) {
+            if *o < e {
+                pending.insert(*p, (*o, e));
+                tpl.add_partition_offset(topic, *p, Offset::Offset(*o))?;
+            }
+        }
+    }
+    let mut out = HashMap::new();
+    if pending.is_empty() {
+        return Ok(out);
+    }
+    consumer.assign(&tpl)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !pending.is_empty() {
+        if Instant::now() > deadline {
+            bail!(
+                "reading timestamps timed out (partitions {:?})",
+                pending.keys()
+            );
+        }
+        let Some(m) = consumer.poll(Duration::from_millis(500)) else {
+            continue;
+        };
+        let m = m.context("reading record timestamps")?;
+        let p = m.partition();
+        let Some(&(_, e)) = pending.get(&p) else {
+            continue;
+        };
+        if m.timestamp().to_millis().is_some_and(|t| t >= ms) {
+            out.insert(p, m.offset());
+            pending.remove(&p);
+        } else if m.offset() + 1 >= e {
+            pending.remove(&p);
+        }
+    }
+    consumer.unassign()?;
+    Ok(out)
+}
+
+/// Parses `--from-time`: RFC 3339, or milliseconds since the Unix epoch.
+pub fn parse_time_ms(s: &str) -> anyhow::Result<i64> {
+    if let Ok(ms) = s.parse::<i64>() {
+        return Ok(ms);
+    }
+    let t = chrono::DateTime::parse_from_rfc3339(s).with_context(|| {
+        format!("--from-time `{s}`: use RFC 3339 (2024-05-01T12:00:00Z) or epoch milliseconds")
+    })?;
+    Ok(t.timestamp_millis())
+}
+
+/// `skein replay`: rewinds the sidecar progress of the appliers' group so
+/// the records from the given offset (or time) are consumed again.
+///
+/// Without `republish` the version table still holds each aggregate's last
+/// etag, so an unchanged aggregate publishes nothing again; with it the
+/// stored versions of the aggregates in the replayed range are cleared and
+/// each publishes once more. The stored source position is cleared too, so
+/// the replayed records are not dropped as re-sends.
+pub async fn replay(
+    cfg: Config,
+    partition: Option<u32>,
+    from: ReplayFrom,
+    republish: bool,
+    force_while_running: bool,
+) -> anyhow::Result<()> {
+    let (kc, topic) = kafka_transport(&cfg)?;
+    let group = cfg.consumer_group();
+    let parts: Vec<i32> = match partition {
+        Some(p) if p >= cfg.transport.partitions => {
+            bail!(
+                "partition {p} does not exist (transport.partitions is {})",
+                cfg.transport.partitions
+            )
+        }
+        Some(p) => vec![p as i32],
+        None => (0..cfg.transport.partitions as i32).collect(),
+    };
+    // Read the group and the offsets on a blocking thread (librdkafka calls block).
+    let (members, targets, affected) = {
+        let (kc, topic, group, parts) = (kc.clone(), topic.clone(), group.clone(), parts.clone());
+        let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+        let mut current = HashMap::new();
+        for p in &parts {
+            current.insert(*p, sidecar.progress(&cfg.name, &topic, *p as u32).await?);
+        }
+        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let mut c = kc.clone();
+            c.set("group.id", format!("{group}-replay-{}", std::process::id()))
+                .set("enable.auto.commit", "false");
+            let consumer: BaseConsumer = c.create().context("creating a Kafka client")?;
+            let groups = consumer
+                .fetch_group_list(Some(&group), Duration::from_secs(10))
+                .context("describing the consumer group")?;
+            let members: Vec<String> = groups
+                .groups()
+                .iter()
+                .flat_map(|g| g.members().iter().map(|m| format!("{} ({})", m.id(), m.client_host())))
+                .collect();
+            let mut targets: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
+            let from_offsets: HashMap<i32, i64> = match from {
+                ReplayFrom::Offset(o) => parts.iter().map(|p| (*p, o)).collect(),
+                ReplayFrom::Time(ms) => {
+                    let mut tpl = TopicPartitionList::new();
+                    for p in &parts {
+                        tpl.add_partition_offset(&topic, *p, Offset::Offset(ms))?;
+                    }
+                    let found = consumer
+                        .offsets_for_times(tpl, Duration::from_secs(10))
+                        .context("looking up offsets for the time")?;
+                    let mut m = HashMap::new();
+                    for e in found.elements() {
+                        // No record at or after the time (End): nothing to
+                        // replay there, so that partition is left out.
+                        if let Offset::Offset(o) = e.offset() {
+                            m.insert(e.partition(), o);
+                        }
+                    }
+                    // Trust but verify: step over records before the time
+                    // (a broker answered with an earlier offset, seen with
+                    // tansu when no record is after the time).
+                    let ends: HashMap<i32, i64> = parts
+                        .iter()
+                        .filter_map(|p| current.get(p).copied().flatten().map(|pr| (*p, pr.position)))
+                        .collect();
+                    first_at_or_after(&consumer, &topic, &m, &ends, ms)?
+                }
+            };
+            for p in &parts {
+                let Some(Some(pr)) = current.get(p) else {
+                    continue; // never consumed: nothing to rewind
+                };
+                let Some(&to) = from_offsets.get(p) else {
+                    continue;
+                };
+                if to > pr.position {
+                    bail!("partition {p}: offset {to} is after the progress {}; replay only rewinds (moving forward would skip records)", pr.position);
+                }
+                if to < pr.position {
+                    targets.insert(*p, (pr.position, to));
+                }
+            }
+            // The aggregates in the replayed ranges, for --republish.
+            let mut affected: std::collections::BTreeSet<(String, String)> = Default::default();
+            if republish && !targets.is_empty() {
+                let mut tpl = TopicPartitionList::new();
+                for (p, (_, to)) in &targets {
+                    tpl.add_partition_offset(&topic, *p, Offset::Offset(*to))?;
+                }
+                consumer.assign(&tpl)?;
+                let mut pending: HashMap<i32, i64> = targets.iter().map(|(p, (cur, _))| (*p, *cur)).collect();
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while !pending.is_empty() {
+                    if Instant::now() > deadline {
+                        bail!("reading the replayed range timed out (partitions {:?} unfinished)", pending.keys());
+                    }
+                    let Some(m) = consumer.poll(Duration::from_millis(500)) else { continue };
+                    let m = m.context("reading the replayed range")?;
+                    let (p, off) = (m.partition(), m.offset());
+                    let Some(end) = pending.get(&p).copied() else { continue };
+                    if off < end {
+                        if let Some(Ok(env)) = m.payload().map(decode) {
+                            if let Some(r) = env.record {
+                                affected.insert((r.entity.clone(), r.root_key.canonical()));
+                            }
+                        }
+                    }
+                    if off + 1 >= end {
+                        pending.remove(&p);
+                    }
+                }
+            }
+            Ok((members, targets, affected))
+        })
+        .await??
+    };
+    if !members.is_empty() && !force_while_running {
+        bail!(
+            "appliers of group `{group}` are active: {}. Stop them first, or add --force-while-running \
+             (they are fenced at their next commit and re-seek to the rewound progress)",
+            members.join(", ")
+        );
+    }
+    if targets.is_empty() {
+        println!("nothing to rewind: every selected partition is already at or before that point");
+        return Ok(());
+    }
+    let mut sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    let q = sidecar.schema_ident().to_string();
+    let client = sidecar.client();
+    let tx = client.transaction().await?;
+    for (p, (cur, to)) in &targets {
+        let n = tx
+            .execute(
+                &format!(
+                    "UPDATE {q}.\"progress\" SET position = $5, source_commit = NULL, source_seq = NULL, updated_at = now() \
+                     WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4"
+                ),
+                &[&cfg.name, &topic, p, cur, to],
+            )
+            .await?;
+        if n != 1 {
+            bail!(
+                "partition {p}: progress moved while replaying (an applier committed); run again"
+            );
+        }
+        println!("partition {p}: progress {cur} -> {to}");
+    }
+    if republish {
+        let mut by_entity: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (e, k) in &affected {
+            by_entity.entry(e).or_default().push(k);
+        }
+        for (entity, keys) in &by_entity {
+            tx.execute(
+                &format!("DELETE FROM {q}.\"version\" WHERE entity = $1 AND key = ANY($2)"),
+                &[entity, keys],
+            )
+            .await?;
+        }
+        println!(
+            "cleared the stored versions of {} aggregate(s): they publish again",
+            affected.len()
+        );
+    } else {
+        println!(
+            "stored versions kept: aggregates whose state did not change publish nothing again"
+        );
+    }
+    tx.commit().await?;
+    warn!(group = %group, topic = %topic, republish, partitions = ?targets.keys().collect::<Vec<_>>(), "progress rewound");
     Ok(())
 }

@@ -60,6 +60,28 @@ enum Command {
         #[arg(long, env = "SKEIN_INSTANCE_ID")]
         instance_id: Option<String>,
     },
+    /// Rewind the appliers' progress (Kafka) so records are consumed again.
+    Replay {
+        /// Only this partition (default: every partition).
+        #[arg(long)]
+        partition: Option<u32>,
+        /// Rewind to this offset.
+        #[arg(
+            long,
+            conflicts_with = "from_time",
+            required_unless_present = "from_time"
+        )]
+        offset: Option<i64>,
+        /// Rewind to the first record at or after this time (RFC 3339 or epoch ms).
+        #[arg(long)]
+        from_time: Option<String>,
+        /// Clear the stored versions of the replayed aggregates so each publishes again.
+        #[arg(long)]
+        republish: bool,
+        /// Rewind even though appliers of the group are running.
+        #[arg(long)]
+        force_while_running: bool,
+    },
     /// Lag per stage as JSON: slot vs WAL end, progress vs log end per partition, outbox depth.
     Status,
     /// Print SQL to run by hand.
@@ -154,8 +176,26 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
             Command::Run => run(cfg).await,
             Command::Relay => relay(cfg).await,
             Command::Extract => distributed::extract(cfg).await,
-            Command::Apply { instance_id } => distributed::apply(cfg, instance_id).await,
+            Command::Apply { instance_id } => {
+                distributed::apply(cfg, instance_id.filter(|i| !i.is_empty())).await
+            }
             Command::Status => distributed::status(cfg).await,
+            Command::Replay {
+                partition,
+                offset,
+                from_time,
+                republish,
+                force_while_running,
+            } => {
+                let from = match (offset, from_time) {
+                    (Some(o), _) => distributed::ReplayFrom::Offset(o),
+                    (None, Some(t)) => {
+                        distributed::ReplayFrom::Time(distributed::parse_time_ms(&t)?)
+                    }
+                    (None, None) => bail!("give --offset or --from-time"),
+                };
+                distributed::replay(cfg, partition, from, republish, force_while_running).await
+            }
             Command::Sql { what } => sql(&cfg, what).await,
             Command::Sidecar {
                 what: SidecarWhat::Migrate,

@@ -135,6 +135,11 @@ impl<S: Sidecar> Applier<S> {
         Ok(p)
     }
 
+    /// The progress this applier believes is committed, if it has read it.
+    pub fn cached_progress(&self) -> Option<Option<Progress>> {
+        self.progress
+    }
+
     /// Forgets the cached progress (after a fence or a reassignment).
     pub fn reset_progress(&mut self) {
         self.progress = None;

@@ -162,10 +162,13 @@ impl PgSidecar {
 
 impl Sidecar for PgSidecar {
     async fn migrate(&self) -> Result<()> {
-        // `IF NOT EXISTS` notices are noise on every start.
+        // One transaction under an advisory lock: appliers starting together
+        // would otherwise race on CREATE SCHEMA IF NOT EXISTS. `IF NOT
+        // EXISTS` notices are noise on every start.
         self.client
             .batch_execute(&format!(
-                "SET client_min_messages TO warning;\n{}\nRESET client_min_messages;",
+                "BEGIN;\nSET LOCAL client_min_messages TO warning;\n\
+                 SELECT pg_advisory_xact_lock(hashtext('skein.sidecar.migrate'));\n{}\nCOMMIT;",
                 sidecar_ddl(&self.schema)
             ))
             .await

@@ -55,11 +55,11 @@ impl FileSink {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io("creating the sink directory"))?;
         }
+        // Append mode: every write lands at the end, whatever else appends.
         let mut file = OpenOptions::new()
             .create(true)
-            .truncate(false)
             .read(true)
-            .write(true)
+            .append(true)
             .open(path)
             .map_err(io("opening the sink file"))?;
         let len = file.metadata().map_err(io("reading the sink file"))?.len();

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod soak;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,10 +34,20 @@ pub fn kafka_brokers() -> Option<String> {
     }
 }
 
+/// The broker of the Kafka tests; they fail without one.
+pub fn kafka_brokers_required() -> String {
+    std::env::var("SKEIN_TEST_KAFKA_BROKERS").expect(
+        "SKEIN_TEST_KAFKA_BROKERS is not set: run the tests with `scripts/test`, which starts a broker",
+    )
+}
+
 /// Rewrites the quickstart transport section for Kafka, keeping `partitions`
 /// on its line. `topic` should be unique: the broker outlives test runs. It
 /// names the consumer group too, so parallel tests do not share one.
 pub fn kafka_transport_yaml(yaml: &str, brokers: &str, topic: &str) -> String {
+    if yaml.contains("  kind: kafka\n") {
+        return yaml.to_string();
+    }
     yaml.replace("  kind: in-process\n", "  kind: kafka\n").replacen(
         "  partitions: 4\n",
         &format!(
@@ -90,6 +102,27 @@ impl Env {
     /// with `edit` applied to the YAML text.
     pub async fn new(name: &str, edit: impl Fn(String) -> String) -> Env {
         Env::new_at(&admin_url(), name, edit).await
+    }
+
+    /// [`Env::new`] over the Kafka transport (`SKEIN_TEST_KAFKA_BROKERS`),
+    /// whatever `SKEIN_TEST_TRANSPORT` says.
+    pub async fn new_kafka(name: &str, edit: impl Fn(String) -> String) -> Env {
+        let brokers = kafka_brokers_required();
+        let topic = fresh_topic(name);
+        Env::new(name, move |y| {
+            edit(kafka_transport_yaml(&y, &brokers, &topic))
+        })
+        .await
+    }
+
+    /// The change topic of a Kafka env.
+    pub fn topic(&self) -> String {
+        let yaml = std::fs::read_to_string(&self.config).unwrap();
+        yaml.lines()
+            .find_map(|l| l.strip_prefix("  topic: "))
+            .expect("a Kafka config")
+            .trim()
+            .to_string()
     }
 
     /// [`Env::new`] on the server of `admin_url`.
@@ -189,6 +222,17 @@ impl Env {
         self.command(args).output().unwrap()
     }
 
+    /// Runs `skein <args>`, asserts success, returns its standard output.
+    pub fn skein_ok(&self, args: &[&str]) -> String {
+        let out = self.skein(args);
+        assert!(
+            out.status.success(),
+            "skein {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     /// Starts `skein run` and waits until its slot is streaming.
     pub async fn start(&self) -> Running {
         self.start_with(&[]).await
@@ -202,7 +246,9 @@ impl Env {
             // died without leaving; see scripts/lib/kafka.sh).
             let id = format!("{}-{p}-0", self.name);
             let mut env: Vec<(&str, &str)> = env.to_vec();
-            env.push(("SKEIN_INSTANCE_ID", &id));
+            if !env.iter().any(|(k, _)| *k == "SKEIN_INSTANCE_ID") {
+                env.push(("SKEIN_INSTANCE_ID", &id));
+            }
             r.children.push((p.to_string(), self.spawn(p, &env)));
         }
         self.wait_streaming(&mut r).await;
@@ -227,7 +273,7 @@ impl Env {
         cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap()
     }
 
-    async fn wait_streaming(&self, r: &mut Running) {
+    pub async fn wait_streaming(&self, r: &mut Running) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let row = self

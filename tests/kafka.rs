@@ -1,0 +1,481 @@
+//! The distributed deployment against a real Kafka-protocol broker
+//! (`SKEIN_TEST_KAFKA_BROKERS`, started by `scripts/test`) and the real
+//! PostgreSQL: scale-out, zombie fencing, replay, dead letters, the Kafka
+//! sink. The pipeline scenarios over Kafka are tests/pipeline.rs with
+//! `SKEIN_TEST_TRANSPORT=kafka`.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::soak::{check, monotonic_statement, play_workload};
+use common::*;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::ClientConfig;
+use serde_json::Value;
+
+/// A Kafka message as read back.
+#[derive(Debug, Clone)]
+struct Msg {
+    partition: i32,
+    key: Option<String>,
+    headers: HashMap<String, String>,
+    value: Vec<u8>,
+}
+
+/// Every message of `topic` (all partitions, from the beginning), in
+/// (partition, offset) order; stops once nothing arrived for 2 s.
+fn read_topic(topic: &str) -> Vec<Msg> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_brokers_required())
+        .set(
+            "group.id",
+            format!("skein-test-reader-{}", std::process::id()),
+        )
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let md = c
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .unwrap();
+    let parts = md.topics()[0].partitions().len() as i32;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..parts {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
+    }
+    c.assign(&tpl).unwrap();
+    let mut out: Vec<(i32, i64, Msg)> = vec![];
+    let mut idle_since = Instant::now();
+    while idle_since.elapsed() < Duration::from_secs(2) {
+        match c.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                let headers = m
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .map(|x| {
+                                (
+                                    x.key.to_string(),
+                                    String::from_utf8_lossy(x.value.unwrap_or_default()).into(),
+                                )
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                out.push((
+                    m.partition(),
+                    m.offset(),
+                    Msg {
+                        partition: m.partition(),
+                        key: m.key().map(|k| String::from_utf8_lossy(k).into()),
+                        headers,
+                        value: m.payload().unwrap_or_default().to_vec(),
+                    },
+                ));
+                idle_since = Instant::now();
+            }
+            Some(Err(e)) => panic!("reading {topic}: {e}"),
+            None => {}
+        }
+    }
+    out.sort_by_key(|(p, o, _)| (*p, *o));
+    out.into_iter().map(|(_, _, m)| m).collect()
+}
+
+fn produce_raw(topic: &str, partition: i32, key: &str, value: &[u8]) {
+    let p: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+        .set("bootstrap.servers", kafka_brokers_required())
+        .create()
+        .unwrap();
+    p.send(
+        BaseRecord::to(topic)
+            .partition(partition)
+            .key(key)
+            .payload(value),
+    )
+    .map_err(|(e, _)| e)
+    .unwrap();
+    p.flush(Duration::from_secs(10)).unwrap();
+}
+
+fn status(env: &Env) -> Value {
+    serde_json::from_str(&env.skein_ok(&["status"])).unwrap()
+}
+
+fn kafka_sink(y: String, prefix: &str, mode: &str) -> String {
+    let brokers = kafka_brokers_required();
+    let start = y.find("sink:").unwrap();
+    let end = y[start..].find("events:").unwrap() + start;
+    format!(
+        "{}sink:\n  kind: kafka\n  brokers: {brokers}\n  topic_prefix: {prefix}\n  mode: {mode}\n{}",
+        &y[..start],
+        &y[end..]
+    )
+}
+
+/// 3 appliers over 6 partitions, 50,000 changes over 1,000 aggregates; one
+/// applier is SIGKILLed midway and a replacement (its static member id)
+/// started. Events go to the Kafka sink.
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_out_over_six_partitions() {
+    let seed: u64 = std::env::var("SKEIN_SOAK_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("scale-out seed: SKEIN_SOAK_SEED={seed}");
+    let ctx = format!("(SKEIN_SOAK_SEED={seed})");
+    let prefix = fresh_topic("scale_out_events");
+    let env = Env::new_kafka("scale_out", |y| {
+        kafka_sink(y, &prefix, "structured")
+            .replace("  partitions: 4\n", "  partitions: 6\n")
+            .replace(
+                "state_dir:",
+                "extractor: { max_batch_changes: 2000 }\nstate_dir:",
+            )
+    })
+    .await;
+    let mut run = Running { children: vec![] };
+    env.spawn_into(&mut run, "extract", &[]);
+    for i in 0..3 {
+        env.spawn_into(
+            &mut run,
+            "apply",
+            &[("SKEIN_INSTANCE_ID", &format!("scale-out-{i}"))],
+        );
+    }
+    env.wait_streaming(&mut run).await;
+    let url = env.url.clone();
+    let workload = tokio::spawn(async move {
+        play_workload(&url, seed, 50_000, |r| monotonic_statement(r, 1000), false).await
+    });
+    // Midway: kill applier 1 (children[2]) and start its replacement.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(60) {
+        let n: i64 = env
+            .db
+            .query_one("SELECT count(*) FROM skein.outbox", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if n > 3000 || workload.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    run.check_alive(&env);
+    run.kill_one(2);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    env.spawn_into(&mut run, "apply", &[("SKEIN_INSTANCE_ID", "scale-out-1")]);
+    let changes = workload.await.unwrap();
+    assert!(changes >= 50_000, "{ctx}");
+    env.settle_within(&mut run, Duration::from_secs(600)).await;
+    run.stop(&env);
+
+    // The work was spread: assignments smaller than all six partitions.
+    let log = env.log();
+    let split = log
+        .lines()
+        .filter(|l| l.contains("partitions assigned"))
+        .filter(|l| {
+            let list = l
+                .split("partitions=[")
+                .nth(1)
+                .unwrap_or("")
+                .split(']')
+                .next()
+                .unwrap_or("");
+            !list.is_empty() && list.split(',').count() < 6
+        })
+        .count();
+    assert!(
+        split >= 3,
+        "appliers never shared the partitions {ctx}:\n{log}"
+    );
+
+    // Sidecar progress is the log end of every partition.
+    let st = status(&env);
+    for p in st["partitions"].as_array().unwrap() {
+        assert_eq!(
+            p["progress"], p["log_end"],
+            "partition not caught up {ctx}: {st}"
+        );
+    }
+    assert!(st["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|p| p["log_end"].as_i64() > Some(0)));
+
+    // Events from the sink topic, per-aggregate order = offset order.
+    let sink: Vec<Value> = read_topic(&format!("{prefix}.customer"))
+        .iter()
+        .map(|m| serde_json::from_slice(&m.value).unwrap())
+        .collect();
+    let live = check(&env, &ctx, Some(sink), true).await;
+    eprintln!("scale-out: {changes} changes, {live} live aggregates {ctx}");
+}
+
+/// An applier paused mid-batch (before its sidecar transaction) loses its
+/// partition to another; when it wakes, its commit is fenced and writes
+/// nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn zombie_applier_is_fenced() {
+    let env = Env::new_kafka("zombie", |y| {
+        y.replace("  partitions: 4\n", "  partitions: 1\n")
+    })
+    .await;
+    let mut run = Running { children: vec![] };
+    env.spawn_into(&mut run, "extract", &[]);
+    // Dynamic membership: librdkafka leaves the group when the paused
+    // thread misses max.poll.interval.ms (10 s here).
+    env.spawn_into(
+        &mut run,
+        "apply",
+        &[
+            ("SKEIN_INSTANCE_ID", ""),
+            ("SKEIN_FAILPOINT", "applier.before_sidecar:2:sleep=25000"),
+        ],
+    );
+    env.wait_streaming(&mut run).await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'Bob');")
+        .await;
+    let t0 = Instant::now();
+    while !env
+        .log()
+        .contains("failpoint `applier.before_sidecar` reached, stalling")
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", env.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    env.spawn_into(&mut run, "apply", &[("SKEIN_INSTANCE_ID", "")]);
+    // The second applier takes the partition over and commits Bob first.
+    let t0 = Instant::now();
+    loop {
+        let n: i64 = env
+            .db
+            .query_one(
+                "SELECT count(*) FROM skein.outbox WHERE key = '[\"2\"]'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(25),
+            "no takeover:\n{}",
+            env.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The paused one wakes up and is fenced.
+    let t0 = Instant::now();
+    while !env.log().contains("fenced: another applier moved") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(40),
+            "no fence:\n{}",
+            env.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    env.exec("INSERT INTO customer (id, name) VALUES (3, 'Cy');")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let subjects: Vec<String> = env
+        .outbox()
+        .await
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(subjects, ["customer.1", "customer.2", "customer.3"]);
+    assert_exactly_once(&env).await;
+}
+
+/// Replay re-consumes from an offset or a time. Unchanged aggregates
+/// publish nothing; `--republish` publishes each affected one once.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_from_offset_and_time() {
+    let env = Env::new_kafka("replay", same).await;
+    // Dynamic members leave the group on a clean stop (static ones stay
+    // until their session times out), so replay sees no active appliers.
+    let dynamic = [("SKEIN_INSTANCE_ID", "")];
+    let mut run = env.start_with(&dynamic).await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) SELECT g, 'c' || g FROM generate_series(1, 5) g;",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mid = chrono_now_ms();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    env.step(
+        &mut run,
+        "UPDATE customer SET name = name || '!' WHERE id <= 3;",
+    )
+    .await;
+
+    // Refused while appliers run, unless forced.
+    let out = env.skein(&["replay", "--offset", "0"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--force-while-running"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let before = env.outbox().await.len();
+    assert_eq!(before, 8);
+    env.skein_ok(&["replay", "--offset", "0", "--force-while-running"]);
+    // The running applier is fenced, re-seeks, re-consumes: nothing new.
+    env.exec("INSERT INTO customer (id, name) VALUES (6, 'c6');")
+        .await;
+    env.settle(&mut run).await;
+    assert!(env.log().contains("fenced"), "{}", env.log());
+    run.stop(&env);
+    assert_eq!(
+        env.outbox().await.len(),
+        before + 1,
+        "a forced replay republished"
+    );
+
+    // Stopped: from offset 0, without --republish: 0 new events.
+    let text = env.skein_ok(&["replay", "--offset", "0"]);
+    assert!(
+        text.contains("-> 0") && text.contains("stored versions kept"),
+        "{text}"
+    );
+    let mut run = env.start_with(&dynamic).await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_eq!(
+        env.outbox().await.len(),
+        before + 1,
+        "a replay without --republish published"
+    );
+
+    // From the time between the inserts and the updates, with --republish:
+    // one event per aggregate in the replayed range (customers 1-3, 6).
+    let text = env.skein_ok(&["replay", "--from-time", &mid.to_string(), "--republish"]);
+    assert!(
+        text.contains("cleared the stored versions of 4 aggregate(s)"),
+        "{text}\n{}",
+        env.log()
+    );
+    let mut run = env.start_with(&dynamic).await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let outbox = env.outbox().await;
+    let mut again: Vec<&str> = outbox[before + 1..]
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap())
+        .collect();
+    again.sort();
+    assert_eq!(
+        again,
+        ["customer.1", "customer.2", "customer.3", "customer.6"]
+    );
+    let ids: std::collections::HashSet<&str> =
+        outbox.iter().map(|e| e["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), outbox.len(), "event ids must stay unique");
+}
+
+fn chrono_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+fn same(y: String) -> String {
+    y
+}
+
+/// A record that is not a skein change lands in `<topic>.dlq` with the
+/// error in its headers, is counted in the batch row, and the partition
+/// goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn dead_letter_record_lands_in_dlq_and_processing_continues() {
+    let env = Env::new_kafka("dlq", same).await;
+    let mut run = env.start().await;
+    let topic = env.topic();
+    produce_raw(&topic, 0, "garbage", b"this is not avro");
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    run.stop(&env);
+    let dlq = read_topic(&format!("{topic}.dlq"));
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(dlq[0].value, b"this is not avro");
+    assert_eq!(dlq[0].key.as_deref(), Some("garbage"));
+    assert_eq!(dlq[0].partition, 0);
+    assert!(
+        dlq[0].headers["skein_error"].contains("format byte"),
+        "{:?}",
+        dlq[0].headers
+    );
+    assert_eq!(dlq[0].headers["skein_offset"], "0");
+    let dead: i64 = env
+        .db
+        .query_one(
+            "SELECT coalesce(sum(dead_letters), 0)::int8 FROM skein.batch",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, 1);
+    let subjects: Vec<Value> = env.events().iter().map(|e| e["subject"].clone()).collect();
+    assert_eq!(subjects, ["customer.1"]);
+}
+
+/// The relay dies between the broker's acknowledgement and marking the row
+/// dequeued: the event is sent again with the same `ce_id`, never a new one.
+/// Binary mode: `data` is the value, attributes are `ce_` headers.
+#[tokio::test(flavor = "multi_thread")]
+async fn relay_resends_with_the_same_id_after_a_crash() {
+    let prefix = fresh_topic("relay_events");
+    let env = Env::new_kafka("relay_kafka", |y| kafka_sink(y, &prefix, "binary")).await;
+    let run = env
+        .start_with(&[("SKEIN_FAILPOINT", "relay.after_send_before_mark")])
+        .await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    let status = run.wait_exit(Duration::from_secs(30));
+    assert!(!status.success(), "the failpoint must abort the relay");
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let outbox = env.outbox().await;
+    assert_eq!(outbox.len(), 1);
+    let id = outbox[0]["id"].as_str().unwrap();
+    let sent = read_topic(&format!("{prefix}.customer"));
+    assert_eq!(sent.len(), 2, "sent, crashed, sent again: {sent:?}");
+    for m in &sent {
+        assert_eq!(m.headers["ce_id"], id);
+        assert_eq!(m.headers["ce_type"], "contoso.customer.created");
+        assert_eq!(m.headers["ce_subject"], "customer.1");
+        assert_eq!(m.headers["content-type"], "application/json");
+        assert_eq!(m.key.as_deref(), Some("1"));
+        let data: Value = serde_json::from_slice(&m.value).unwrap();
+        assert_eq!(data, outbox[0]["data"]);
+    }
+}
