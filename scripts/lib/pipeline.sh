@@ -28,3 +28,20 @@ skein_wait_settled() {
   done
   echo "pipeline did not catch up in $secs s" >&2; cat "$log"; return 1
 }
+
+# skein_wait_kafka_settled CONFIG SLOT SECONDS: over Kafka, waits until the
+# extractor confirmed everything committed so far, every partition's
+# progress is at the log end and the outbox is relayed (`skein status`).
+skein_wait_kafka_settled() {
+  local cfg=$1 slot=$2 secs=$3 probe
+  probe=$(src -c "SELECT pg_logical_emit_message(true, 'skein.probe', '')")
+  for _ in $(seq 1 $((secs * 5))); do
+    if [ "$(src -c "SELECT confirmed_flush_lsn >= '$probe' FROM pg_replication_slots WHERE slot_name = '$slot'")" = t ] &&
+       "$SKEIN" status --config "$cfg" 2>/dev/null |
+         python3 -c 'import json,sys; s=json.load(sys.stdin); sys.exit(0 if s["transport_lag"] == 0 and s["outbox"]["pending"] == 0 else 1)'; then
+      return 0
+    fi
+    sleep 0.2
+  done
+  echo "pipeline did not catch up in $secs s" >&2; return 1
+}

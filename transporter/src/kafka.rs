@@ -226,7 +226,7 @@ pub fn client_config(brokers: &str, properties: &BTreeMap<String, Secret>) -> Cl
 #[derive(Debug, thiserror::Error)]
 pub enum KafkaTransportError {
     /// A client, admin or delivery error from librdkafka.
-    #[error("kafka: {context}: {source}")]
+    #[error("kafka: {context}")]
     Kafka {
         context: String,
         #[source]
@@ -261,6 +261,13 @@ pub async fn ensure_topic(
     let admin: AdminClient<DefaultClientContext> = config
         .create()
         .map_err(kafka("creating the admin client"))?;
+    // Fail fast and clearly when no broker answers.
+    let brokers = config
+        .get("bootstrap.servers")
+        .unwrap_or_default()
+        .to_string();
+    tokio::task::block_in_place(|| admin.inner().fetch_metadata(None, Duration::from_secs(15)))
+        .map_err(kafka(format!("no Kafka broker answered at `{brokers}`")))?;
     let results = admin
         .create_topics(
             &[NewTopic::new(
@@ -309,10 +316,12 @@ async fn partition_count(
 ) -> std::result::Result<usize, KafkaTransportError> {
     // Metadata can lag a fresh create for a moment.
     for _ in 0..50 {
-        let md = admin
-            .inner()
-            .fetch_metadata(Some(topic), Duration::from_secs(10))
-            .map_err(kafka(format!("reading metadata of `{topic}`")))?;
+        let md = tokio::task::block_in_place(|| {
+            admin
+                .inner()
+                .fetch_metadata(Some(topic), Duration::from_secs(10))
+        })
+        .map_err(kafka(format!("reading metadata of `{topic}`")))?;
         if let Some(t) = md.topics().iter().find(|t| t.name() == topic) {
             if t.error().is_none() && !t.partitions().is_empty() {
                 return Ok(t.partitions().len());
