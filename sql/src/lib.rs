@@ -11,6 +11,7 @@
 
 pub mod catalog;
 pub mod postgres;
+pub mod sqlserver;
 
 pub use catalog::{Catalog, ColumnInfo, TableInfo};
 

@@ -479,12 +479,33 @@ pub fn hydrate_sql(
         .enumerate()
         .map(|(i, c)| format!("t0.{} = k.v{i}::{}", qi(c), cast_type(catalog, root, c)))
         .collect();
+    sql.push_str(&path_joins_and_order(
+        nodes, &path, catalog, &on_root, "k.ord", qi,
+    ));
+    sql
+}
+
+/// The joins from the root down to a node (`t0` … `tN`, the root left
+/// joined when the node is the root) and the `ORDER BY` (root ordinal, then
+/// the node's key), shared by both dialects; `quote` quotes identifiers.
+pub(crate) fn path_joins_and_order(
+    nodes: &[TableNode],
+    path: &[usize],
+    catalog: &Catalog,
+    on_root: &[String],
+    ord: &str,
+    quote: fn(&str) -> String,
+) -> String {
+    let alias = |i: usize| format!("t{i}");
+    let root = &nodes[0];
+    let index = *path.last().expect("a path holds at least the root");
+    let mut sql = String::new();
     let _ = writeln!(
         sql,
         "{} {}.{} t0 ON {}",
         if index == 0 { "LEFT JOIN" } else { "JOIN" },
-        qi(&root.schema),
-        qi(&root.table),
+        quote(&root.schema),
+        quote(&root.table),
         on_root.join(" AND ")
     );
     for (depth, ni) in path.iter().enumerate().skip(1) {
@@ -495,28 +516,29 @@ pub fn hydrate_sql(
                     format!(
                         "{}.{} = {}.{}",
                         alias(depth),
-                        qi(&o.name),
+                        quote(&o.name),
                         alias(depth - 1),
-                        qi(&o.to_column)
+                        quote(&o.to_column)
                     )
                 })
                 .collect();
         let _ = writeln!(
             sql,
             "JOIN {}.{} {} ON {}",
-            qi(&n.schema),
-            qi(&n.table),
+            quote(&n.schema),
+            quote(&n.table),
             alias(depth),
             conds.join(" AND ")
         );
     }
-    let mut order = vec!["k.ord".to_string()];
+    let this = alias(path.len() - 1);
+    let mut order = vec![ord.to_string()];
     if index != 0 {
         order.extend(
             catalog
-                .key_columns(node)
+                .key_columns(&nodes[index])
                 .iter()
-                .map(|c| format!("{this}.{}", qi(c))),
+                .map(|c| format!("{this}.{}", quote(c))),
         );
     }
     let _ = write!(sql, "ORDER BY {}", order.join(", "));

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use skein_common::config::expand_env;
 use skein_common::Config;
 use skein_sql::postgres::{hydrate_sql, resolve_sql, sidecar_ddl, source_ddl};
+use skein_sql::sqlserver;
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
 
 fn root() -> PathBuf {
@@ -121,4 +122,236 @@ fn postgres_hydration_and_lookup_queries_are_frozen() {
         resolve_sql(&nodes, 2, &cat)
     ));
     check("postgres_queries_quickstart.sql", &out);
+}
+
+/// One fixture table: `(table, primary key, [(column, type)])`.
+type FixtureTable<'a> = (&'a str, &'a [&'a str], &'a [(&'a str, &'a str)]);
+
+/// A catalog of SQL Server tables.
+fn mssql_catalog(schema: &str, tables: &[FixtureTable]) -> Catalog {
+    let mut cat = Catalog::default();
+    for (table, pk, cols) in tables {
+        cat.insert(TableInfo {
+            schema: schema.into(),
+            table: (*table).into(),
+            columns: cols
+                .iter()
+                .map(|(n, t)| ColumnInfo {
+                    name: (*n).into(),
+                    data_type: (*t).into(),
+                    type_name: t.split('(').next().unwrap().into(),
+                    nullable: true,
+                })
+                .collect(),
+            primary_key: pk.iter().map(|s| s.to_string()).collect(),
+            replica_identity: 'd',
+        });
+    }
+    cat
+}
+
+/// The quickstart entities on SQL Server (schema `dbo`).
+fn quickstart_mssql() -> (Config, Catalog) {
+    let text = std::fs::read_to_string(root().join("examples/quickstart/skein.yaml"))
+        .unwrap()
+        .replace("kind: postgres", "kind: sqlserver")
+        .replace("    schema: public\n", "    schema: dbo\n");
+    let text = expand_env(&text, "skein.yaml", |_| {
+        Some("server=tcp:h,1433;database=crm;user=u;password=p".into())
+    })
+    .unwrap();
+    let cfg = Config::from_yaml(&text, "skein.yaml").unwrap();
+    let cat = mssql_catalog(
+        "dbo",
+        &[
+            (
+                "customer",
+                &["id"],
+                &[
+                    ("id", "int"),
+                    ("name", "nvarchar(200)"),
+                    ("email", "nvarchar(320)"),
+                    ("credit_limit", "decimal(12,2)"),
+                    ("is_deleted", "bit"),
+                    ("row_version", "int"),
+                    ("created_at", "datetimeoffset(7)"),
+                ],
+            ),
+            (
+                "address",
+                &["id"],
+                &[
+                    ("id", "int"),
+                    ("customer_id", "int"),
+                    ("kind", "nvarchar(20)"),
+                    ("city", "nvarchar(100)"),
+                ],
+            ),
+            (
+                "address_line",
+                &["address_id", "line_no"],
+                &[
+                    ("address_id", "int"),
+                    ("line_no", "int"),
+                    ("text", "nvarchar(200)"),
+                ],
+            ),
+            (
+                "contact",
+                &["customer_id", "kind"],
+                &[
+                    ("customer_id", "int"),
+                    ("kind", "nvarchar(20)"),
+                    ("value", "nvarchar(200)"),
+                ],
+            ),
+        ],
+    );
+    (cfg, cat)
+}
+
+/// Three levels, a composite root key and a one-to-one join.
+fn orders_mssql() -> (Config, Catalog) {
+    let cfg = Config::from_yaml(
+        r#"
+name: orders
+source: { kind: sqlserver, url: "server=tcp:h,1433;database=shop" }
+entities:
+  - name: order
+    schema: sales
+    table: order
+    exclude_columns_from_etag: [row_version]
+    joins:
+      - { name: lines, table: order_line, schema: sales,
+          on: [{ name: tenant_id, to_column: tenant_id }, { name: order_no, to_column: order_no }] }
+      - { name: discounts, table: line_discount, schema: sales, join_to: lines,
+          on: [{ name: tenant_id, to_column: tenant_id }, { name: order_no, to_column: order_no },
+               { name: line_no, to_column: line_no }] }
+      - { name: shipping, table: order_shipping, schema: sales, cardinality: one_to_one,
+          on: [{ name: tenant_id, to_column: tenant_id }, { name: order_no, to_column: order_no }] }
+"#,
+        "orders.yaml",
+    )
+    .unwrap();
+    let cat = mssql_catalog(
+        "sales",
+        &[
+            (
+                "order",
+                &["tenant_id", "order_no"],
+                &[
+                    ("tenant_id", "uniqueidentifier"),
+                    ("order_no", "bigint"),
+                    ("placed_at", "datetime2(7)"),
+                    ("total", "money"),
+                    ("note", "nvarchar(max)"),
+                    ("row_version", "rowversion"),
+                ],
+            ),
+            (
+                "order_line",
+                &["tenant_id", "order_no", "line_no"],
+                &[
+                    ("tenant_id", "uniqueidentifier"),
+                    ("order_no", "bigint"),
+                    ("line_no", "smallint"),
+                    ("sku", "varchar(40)"),
+                    ("qty", "decimal(9,3)"),
+                ],
+            ),
+            (
+                "line_discount",
+                &["discount_id"],
+                &[
+                    ("discount_id", "int"),
+                    ("tenant_id", "uniqueidentifier"),
+                    ("order_no", "bigint"),
+                    ("line_no", "smallint"),
+                    ("percent", "decimal(5,2)"),
+                ],
+            ),
+            (
+                "order_shipping",
+                &["tenant_id", "order_no"],
+                &[
+                    ("tenant_id", "uniqueidentifier"),
+                    ("order_no", "bigint"),
+                    ("ship_on", "date"),
+                    ("label", "varbinary(max)"),
+                ],
+            ),
+        ],
+    );
+    (cfg, cat)
+}
+
+fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
+    let mut out = format!(
+        "-- skein sql source --dialect sqlserver\n{}\n",
+        sqlserver::source_ddl(cfg, cat)
+    );
+    let tracked = skein_sql::postgres::tracked_tables(cfg, cat);
+    out.push_str(&format!(
+        "-- upper bound of a window\n{};\n\n",
+        sqlserver::MAX_LSN_SQL
+    ));
+    out.push_str(&format!(
+        "-- validity interval of a capture instance\n{};\n\n",
+        sqlserver::MIN_LSN_SQL
+    ));
+    out.push_str(&format!(
+        "-- capture instances of a table\n{};\n\n",
+        sqlserver::CAPTURE_INSTANCES_SQL
+    ));
+    let cis: Vec<String> = tracked
+        .iter()
+        .map(|t| sqlserver::capture_instance(&t.schema, &t.table))
+        .collect();
+    out.push_str(&format!(
+        "-- the batch cap\n{};\n\n",
+        sqlserver::window_sql(&cis)
+    ));
+    for t in &tracked {
+        let cols: Vec<String> = t.columns.iter().cloned().collect();
+        out.push_str(&format!(
+            "-- changes of {}.{}\n{};\n\n",
+            t.schema,
+            t.table,
+            sqlserver::changes_sql(&sqlserver::capture_instance(&t.schema, &t.table), &cols)
+        ));
+    }
+    for e in &cfg.entities {
+        let nodes = e.nodes();
+        let key_count = cat.key_columns(&nodes[0]).len();
+        out.push_str(&format!(
+            "-- the batch's root keys\n{}\n\n",
+            sqlserver::keys_table_sql(key_count)
+        ));
+        for (i, n) in nodes.iter().enumerate() {
+            out.push_str(&format!(
+                "-- hydrate {} ({})\n{};\n\n",
+                n.name,
+                n.qualified(),
+                sqlserver::hydrate_sql(&nodes, i, cat)
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn sqlserver_quickstart_tsql_is_frozen() {
+    let (cfg, cat) = quickstart_mssql();
+    check("sqlserver_quickstart.sql", &mssql_all(&cfg, &cat));
+}
+
+#[test]
+fn sqlserver_three_levels_composite_key_one_to_one_tsql_is_frozen() {
+    let (cfg, cat) = orders_mssql();
+    check("sqlserver_orders.sql", &mssql_all(&cfg, &cat));
+}
+
+#[test]
+fn sqlserver_sidecar_ddl_is_frozen() {
+    check("sqlserver_sidecar.sql", &sqlserver::sidecar_ddl("skein"));
 }

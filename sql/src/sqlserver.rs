@@ -1,0 +1,346 @@
+//! SQL Server dialect (T-SQL): CDC enablement, the change and LSN queries,
+//! hydration and the sidecar DDL. Pure text, pinned by golden files; what
+//! reads SQL Server (tiberius) is not built yet.
+//!
+//! Choices:
+//! * Changes come from `cdc.fn_cdc_get_all_changes_<capture_instance>` with
+//!   `N'all update old'`: the supported interface (the change table's layout
+//!   is internal), and the update's before image carries the old join
+//!   columns, so a child moved to another parent touches both roots.
+//! * Hydration returns typed columns, not JSON: value formats are decided in
+//!   Rust, identically to the PostgreSQL path, not by `FOR JSON`.
+//! * The keys of a batch go into a temp table `#skein_keys` (as nTangle does
+//!   with `#changes`), one hydration query per table joins it.
+
+use std::fmt::Write as _;
+
+use skein_common::config::{Config, TableNode};
+
+use crate::catalog::Catalog;
+use crate::postgres::{path_joins_and_order, path_to, referenced_columns, tracked_tables};
+
+/// Sidecar schema version written by [`sidecar_ddl`] (same tables as PostgreSQL's).
+pub const SIDECAR_SCHEMA_VERSION: i32 = crate::postgres::SIDECAR_SCHEMA_VERSION;
+
+/// Quotes an identifier: `[a]]b]`.
+pub fn qi(s: &str) -> String {
+    format!("[{}]", s.replace(']', "]]"))
+}
+
+/// Quotes a Unicode string literal: `N'it''s'`.
+pub fn ql(s: &str) -> String {
+    format!("N'{}'", s.replace('\'', "''"))
+}
+
+/// The capture instance skein enables for a table: SQL Server's default
+/// name, `<schema>_<table>`.
+pub fn capture_instance(schema: &str, table: &str) -> String {
+    format!("{schema}_{table}")
+}
+
+/// `skein sql source --dialect sqlserver`: enables CDC on the database and
+/// on every tracked table, capturing only key and join columns, without net
+/// changes. Idempotent: each step is skipped when already done.
+pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "-- skein: SQL Server CDC enablement for pipeline '{}'.\n\
+         -- Needs the SQL Server Agent running (it runs the capture and cleanup jobs).\n\
+         -- Only key and join columns are captured: skein reads the latest state of\n\
+         -- an aggregate from the tables themselves.\n\
+         IF NOT EXISTS (SELECT 1 FROM sys.databases WHERE database_id = DB_ID() AND is_cdc_enabled = 1)\n    \
+         EXEC sys.sp_cdc_enable_db;",
+        cfg.name.replace('\n', " ")
+    );
+    for t in tracked_tables(cfg, catalog) {
+        let cols: Vec<String> = t.columns.iter().map(|c| qi(c)).collect();
+        let _ = writeln!(
+            s,
+            "\nIF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id\n    \
+             WHERE sc.name = {schema} AND tb.name = {table} AND tb.is_tracked_by_cdc = 1)\n    \
+             EXEC sys.sp_cdc_enable_table\n        \
+             @source_schema = {schema},\n        \
+             @source_name = {table},\n        \
+             @role_name = NULL,\n        \
+             @capture_instance = {ci},\n        \
+             @supports_net_changes = 0,\n        \
+             @captured_column_list = {cols};",
+            schema = ql(&t.schema),
+            table = ql(&t.table),
+            ci = ql(&capture_instance(&t.schema, &t.table)),
+            cols = ql(&cols.join(", ")),
+        );
+    }
+    s
+}
+
+/// The highest LSN CDC has written (`upper` of the next window).
+pub const MAX_LSN_SQL: &str = "SELECT sys.fn_cdc_get_max_lsn()";
+
+/// The lowest LSN still held for a capture instance (`@P1`); a marker below
+/// it means cleanup removed changes skein had not read.
+pub const MIN_LSN_SQL: &str = "SELECT sys.fn_cdc_get_min_lsn(@P1)";
+
+/// Whether CDC is enabled on the database and which capture instances
+/// exist for a table (`@P1` schema, `@P2` table), newest first.
+pub const CAPTURE_INSTANCES_SQL: &str = "SELECT ct.capture_instance, ct.start_lsn, ct.create_date \
+FROM cdc.change_tables ct \
+JOIN sys.tables tb ON tb.object_id = ct.source_object_id \
+JOIN sys.schemas sc ON sc.schema_id = tb.schema_id \
+WHERE sc.name = @P1 AND tb.name = @P2 \
+ORDER BY ct.create_date DESC";
+
+/// Changes of one capture instance in `[@P1, @P2]` (`@P1` is the marker's
+/// successor, `sys.fn_cdc_increment_lsn` done in Rust), in commit order then
+/// change order. `__$operation`: 1 delete, 2 insert, 3 update before,
+/// 4 update after.
+pub fn changes_sql(capture_instance: &str, columns: &[String]) -> String {
+    let cols: Vec<String> = columns.iter().map(|c| qi(c)).collect();
+    format!(
+        "SELECT [__$start_lsn], [__$seqval], [__$operation], {cols}\n\
+         FROM cdc.{f}(@P1, @P2, N'all update old')\n\
+         ORDER BY [__$start_lsn], [__$seqval], [__$operation]",
+        cols = cols.join(", "),
+        f = qi(&format!("fn_cdc_get_all_changes_{capture_instance}")),
+    )
+}
+
+/// The first `@P2` + 1 change LSNs in `[@P3, @P1]` across the given
+/// capture instances, in order: enough for [`cap_window`] to close the
+/// batch at an LSN boundary.
+pub fn window_sql(capture_instances: &[String]) -> String {
+    let unions: Vec<String> = capture_instances
+        .iter()
+        .map(|ci| {
+            format!(
+                "    SELECT [__$start_lsn] AS [lsn] FROM cdc.{}(@P3, @P1, N'all update old')",
+                qi(&format!("fn_cdc_get_all_changes_{ci}"))
+            )
+        })
+        .collect();
+    format!(
+        "SELECT TOP (@P2 + 1) u.[lsn]\nFROM (\n{}\n) u\nORDER BY u.[lsn]",
+        unions.join("\n    UNION ALL\n")
+    )
+}
+
+/// Where a batch ends, given the first `cap + 1` change LSNs (sorted) of
+/// the window up to `max`: all of it when it fits; else the last LSN whose
+/// changes all fit; a single transaction larger than the cap is taken
+/// whole (never half an LSN). `None` when there is nothing.
+pub fn cap_window<L: Ord + Copy>(lsns: &[L], cap: usize, max: L) -> Option<L> {
+    lsns.first()?;
+    let cap = cap.max(1);
+    if lsns.len() <= cap {
+        return Some(max);
+    }
+    // The first change that does not fit; its transaction is left out,
+    // unless it is the only one (then it is taken whole).
+    let cut = lsns[cap];
+    Some(
+        lsns[..cap]
+            .iter()
+            .rev()
+            .find(|l| **l < cut)
+            .copied()
+            .unwrap_or(cut),
+    )
+}
+
+/// Creates and fills `#skein_keys` for a root with `n` key columns: one
+/// row per root key, `ord` from 1. The values are text (as in the change
+/// records); hydration converts them to the key columns' types.
+pub fn keys_table_sql(n: usize) -> String {
+    let cols: Vec<String> = (0..n)
+        .map(|i| format!("[v{i}] nvarchar(4000) NULL"))
+        .collect();
+    format!(
+        "IF OBJECT_ID(N'tempdb..#skein_keys') IS NOT NULL DROP TABLE #skein_keys;\n\
+         CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, {});",
+        cols.join(", ")
+    )
+}
+
+/// Hydration query of one node for the root keys in `#skein_keys`.
+/// Columns: `ord`, the node's join columns (`link_*`), the columns its
+/// children join to (`ref_*`), then its event columns, typed; the root's
+/// rows come from a left join, so a missing root gives one row of NULLs.
+/// Rows are ordered by root, then by the node's key (stable arrays).
+pub fn hydrate_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> String {
+    let path = path_to(nodes, index);
+    let root = &nodes[0];
+    let node = &nodes[index];
+    let alias = |i: usize| format!("t{i}");
+    let this = alias(path.len() - 1);
+    let mut select = vec!["k.[ord]".to_string()];
+    for o in &node.on {
+        select.push(format!(
+            "{this}.{} AS {}",
+            qi(&o.name),
+            qi(&format!("link_{}", o.name))
+        ));
+    }
+    for r in referenced_columns(nodes, index) {
+        select.push(format!("{this}.{} AS {}", qi(&r), qi(&format!("ref_{r}"))));
+    }
+    for c in catalog.event_columns(node) {
+        select.push(format!("{this}.{}", qi(&c.name)));
+    }
+    let root_key = catalog.key_columns(root);
+    let on_root: Vec<String> = root_key
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let ty = catalog
+                .node(root)
+                .and_then(|t| t.column(c))
+                .map(|c| c.data_type.as_str())
+                .unwrap_or("nvarchar(4000)");
+            format!("t0.{} = TRY_CONVERT({ty}, k.[v{i}])", qi(c))
+        })
+        .collect();
+    format!(
+        "SELECT {}\nFROM #skein_keys k\n{}",
+        select.join(", "),
+        path_joins_and_order(nodes, &path, catalog, &on_root, "k.[ord]", qi)
+    )
+}
+
+/// `skein sql sidecar --dialect sqlserver`: the sidecar tables of the
+/// PostgreSQL sidecar in T-SQL, idempotent.
+pub fn sidecar_ddl(schema: &str) -> String {
+    let s = qi(schema);
+    let lit = ql(schema);
+    let table = |name: &str, body: &str| {
+        format!(
+            "IF OBJECT_ID({obj}, N'U') IS NULL\nCREATE TABLE {s}.{t} (\n{body}\n);\n",
+            obj = ql(&format!("{s}.{}", qi(name))),
+            t = qi(name),
+        )
+    };
+    let mut out = format!(
+        "-- skein sidecar schema (T-SQL), version {v}.\n\
+         IF SCHEMA_ID({lit}) IS NULL EXEC(N'CREATE SCHEMA {s_inner}');\n\n",
+        v = SIDECAR_SCHEMA_VERSION,
+        s_inner = s.replace('\'', "''"),
+    );
+    out += &table(
+        "schema_version",
+        "  [version]    int          NOT NULL PRIMARY KEY,\n  \
+         [applied_at] datetime2(6) NOT NULL DEFAULT SYSUTCDATETIME()",
+    );
+    out += "\n-- The exactly-once recovery marker; moves only inside the batch transaction.\n";
+    out += &table(
+        "progress",
+        "  [group_name]    nvarchar(200) NOT NULL,\n  \
+         [topic]         nvarchar(400) NOT NULL,\n  \
+         [partition]     int           NOT NULL,\n  \
+         [position]      bigint        NOT NULL,\n  \
+         [source_commit] binary(10)    NULL,\n  \
+         [source_seq]    bigint        NULL,\n  \
+         [updated_at]    datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
+         PRIMARY KEY ([group_name], [topic], [partition])",
+    );
+    out += "\n";
+    out += &table(
+        "batch",
+        "  [id]             bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,\n  \
+         [correlation_id] uniqueidentifier NOT NULL UNIQUE,\n  \
+         [group_name]     nvarchar(200) NOT NULL,\n  \
+         [topic]          nvarchar(400) NOT NULL,\n  \
+         [partition]      int           NOT NULL,\n  \
+         [lower_position] bigint        NOT NULL,\n  \
+         [upper_position] bigint        NOT NULL,\n  \
+         [record_count]   int           NOT NULL,\n  \
+         [entity_count]   int           NOT NULL,\n  \
+         [event_count]    int           NOT NULL,\n  \
+         [has_data_loss]  bit           NOT NULL DEFAULT 0,\n  \
+         [dead_letters]   int           NOT NULL DEFAULT 0,\n  \
+         [created_at]     datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()",
+    );
+    out += "\n";
+    out += &table(
+        "version",
+        "  [entity]     nvarchar(200) NOT NULL,\n  \
+         [key]        nvarchar(900) NOT NULL,\n  \
+         [etag]       char(64)      NULL,\n  \
+         [is_deleted] bit           NOT NULL DEFAULT 0,\n  \
+         [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
+         PRIMARY KEY ([entity], [key])",
+    );
+    out += "\n";
+    out += &table(
+        "outbox",
+        &format!(
+            "  [id]          bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,\n  \
+             [event_id]    uniqueidentifier NOT NULL UNIQUE,\n  \
+             [batch_id]    bigint        NOT NULL REFERENCES {s}.[batch] ([id]),\n  \
+             [entity]      nvarchar(200) NOT NULL,\n  \
+             [key]         nvarchar(900) NOT NULL,\n  \
+             [partition]   int           NOT NULL,\n  \
+             [etag]        char(64)      NULL,\n  \
+             [event]       nvarchar(max) NOT NULL,\n  \
+             [commit_time] datetime2(6)  NOT NULL,\n  \
+             [enqueued_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
+             [dequeued_at] datetime2(6)  NULL"
+        ),
+    );
+    let _ = write!(
+        out,
+        "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND object_id = OBJECT_ID({o}))\n    \
+         CREATE INDEX [outbox_pending] ON {s}.[outbox] ([id]) WHERE [dequeued_at] IS NULL;\n\
+         IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID({o}))\n    \
+         CREATE INDEX [outbox_entity_key] ON {s}.[outbox] ([entity], [key], [id]);\n\n\
+         IF NOT EXISTS (SELECT 1 FROM {s}.[schema_version] WHERE [version] = {v})\n    \
+         INSERT INTO {s}.[schema_version] ([version]) VALUES ({v});\n",
+        o = ql(&format!("{s}.[outbox]")),
+        v = SIDECAR_SCHEMA_VERSION,
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_closes_at_an_lsn_boundary() {
+        // Fits: up to max.
+        assert_eq!(cap_window(&[1, 1, 2], 5, 9), Some(9));
+        assert_eq!(cap_window::<u32>(&[], 5, 9), None);
+        // Cap 3 over [1, 2, 2, 3]: LSN 2 has a change past the cap, so stop at 1.
+        assert_eq!(cap_window(&[1, 2, 2, 3], 2, 9), Some(1));
+        assert_eq!(cap_window(&[1, 2, 2, 3], 3, 9), Some(2));
+        // One transaction larger than the cap is taken whole.
+        assert_eq!(cap_window(&[4, 4, 4, 4], 3, 9), Some(4));
+    }
+
+    proptest::proptest! {
+        /// Whatever the LSNs, the batch never splits an LSN and never
+        /// exceeds the cap unless one LSN alone does.
+        #[test]
+        fn windows_never_split_a_transaction(mut lsns in proptest::collection::vec(0u16..20, 1..40), cap in 1usize..10) {
+            lsns.sort();
+            let shown: Vec<u16> = lsns.iter().copied().take(cap + 1).collect();
+            let upper = cap_window(&shown, cap, 100).unwrap();
+            let taken = lsns.iter().filter(|l| **l <= upper).count();
+            let next_excluded = lsns.iter().find(|l| **l > upper);
+            if shown.len() > cap {
+                let single = lsns.iter().filter(|l| **l == lsns[0]).count();
+                proptest::prop_assert!(taken <= cap || upper == lsns[0] && taken == single);
+            }
+            // Every change of an included LSN is included.
+            if let Some(n) = next_excluded {
+                proptest::prop_assert!(*n > upper);
+            }
+        }
+    }
+
+    #[test]
+    fn quoting() {
+        assert_eq!(qi("a]b"), "[a]]b]");
+        assert_eq!(ql("it's"), "N'it''s'");
+        assert_eq!(capture_instance("dbo", "customer"), "dbo_customer");
+    }
+}

@@ -1,0 +1,122 @@
+-- skein sql source --dialect sqlserver
+-- skein: SQL Server CDC enablement for pipeline 'orders'.
+-- Needs the SQL Server Agent running (it runs the capture and cleanup jobs).
+-- Only key and join columns are captured: skein reads the latest state of
+-- an aggregate from the tables themselves.
+IF NOT EXISTS (SELECT 1 FROM sys.databases WHERE database_id = DB_ID() AND is_cdc_enabled = 1)
+    EXEC sys.sp_cdc_enable_db;
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'sales' AND tb.name = N'order' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'sales',
+        @source_name = N'order',
+        @role_name = NULL,
+        @capture_instance = N'sales_order',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[order_no], [tenant_id]';
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'sales' AND tb.name = N'order_line' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'sales',
+        @source_name = N'order_line',
+        @role_name = NULL,
+        @capture_instance = N'sales_order_line',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[line_no], [order_no], [tenant_id]';
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'sales' AND tb.name = N'line_discount' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'sales',
+        @source_name = N'line_discount',
+        @role_name = NULL,
+        @capture_instance = N'sales_line_discount',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[discount_id], [line_no], [order_no], [tenant_id]';
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'sales' AND tb.name = N'order_shipping' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'sales',
+        @source_name = N'order_shipping',
+        @role_name = NULL,
+        @capture_instance = N'sales_order_shipping',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[order_no], [tenant_id]';
+
+-- upper bound of a window
+SELECT sys.fn_cdc_get_max_lsn();
+
+-- validity interval of a capture instance
+SELECT sys.fn_cdc_get_min_lsn(@P1);
+
+-- capture instances of a table
+SELECT ct.capture_instance, ct.start_lsn, ct.create_date FROM cdc.change_tables ct JOIN sys.tables tb ON tb.object_id = ct.source_object_id JOIN sys.schemas sc ON sc.schema_id = tb.schema_id WHERE sc.name = @P1 AND tb.name = @P2 ORDER BY ct.create_date DESC;
+
+-- the batch cap
+SELECT TOP (@P2 + 1) u.[lsn]
+FROM (
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order](@P3, @P1, N'all update old')
+    UNION ALL
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P3, @P1, N'all update old')
+    UNION ALL
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P3, @P1, N'all update old')
+    UNION ALL
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P3, @P1, N'all update old')
+) u
+ORDER BY u.[lsn];
+
+-- changes of sales.order
+SELECT [__$start_lsn], [__$seqval], [__$operation], [order_no], [tenant_id]
+FROM cdc.[fn_cdc_get_all_changes_sales_order](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- changes of sales.order_line
+SELECT [__$start_lsn], [__$seqval], [__$operation], [line_no], [order_no], [tenant_id]
+FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- changes of sales.line_discount
+SELECT [__$start_lsn], [__$seqval], [__$operation], [discount_id], [line_no], [order_no], [tenant_id]
+FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- changes of sales.order_shipping
+SELECT [__$start_lsn], [__$seqval], [__$operation], [order_no], [tenant_id]
+FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- the batch's root keys
+IF OBJECT_ID(N'tempdb..#skein_keys') IS NOT NULL DROP TABLE #skein_keys;
+CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, [v0] nvarchar(4000) NULL, [v1] nvarchar(4000) NULL);
+
+-- hydrate order (sales.order)
+SELECT k.[ord], t0.[order_no] AS [ref_order_no], t0.[tenant_id] AS [ref_tenant_id], t0.[tenant_id], t0.[order_no], t0.[placed_at], t0.[total], t0.[note], t0.[row_version]
+FROM #skein_keys k
+LEFT JOIN [sales].[order] t0 ON t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]) AND t0.[order_no] = TRY_CONVERT(bigint, k.[v1])
+ORDER BY k.[ord];
+
+-- hydrate lines (sales.order_line)
+SELECT k.[ord], t1.[tenant_id] AS [link_tenant_id], t1.[order_no] AS [link_order_no], t1.[line_no] AS [ref_line_no], t1.[order_no] AS [ref_order_no], t1.[tenant_id] AS [ref_tenant_id], t1.[tenant_id], t1.[order_no], t1.[line_no], t1.[sku], t1.[qty]
+FROM #skein_keys k
+JOIN [sales].[order] t0 ON t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]) AND t0.[order_no] = TRY_CONVERT(bigint, k.[v1])
+JOIN [sales].[order_line] t1 ON t1.[tenant_id] = t0.[tenant_id] AND t1.[order_no] = t0.[order_no]
+ORDER BY k.[ord], t1.[tenant_id], t1.[order_no], t1.[line_no];
+
+-- hydrate discounts (sales.line_discount)
+SELECT k.[ord], t2.[tenant_id] AS [link_tenant_id], t2.[order_no] AS [link_order_no], t2.[line_no] AS [link_line_no], t2.[discount_id], t2.[tenant_id], t2.[order_no], t2.[line_no], t2.[percent]
+FROM #skein_keys k
+JOIN [sales].[order] t0 ON t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]) AND t0.[order_no] = TRY_CONVERT(bigint, k.[v1])
+JOIN [sales].[order_line] t1 ON t1.[tenant_id] = t0.[tenant_id] AND t1.[order_no] = t0.[order_no]
+JOIN [sales].[line_discount] t2 ON t2.[tenant_id] = t1.[tenant_id] AND t2.[order_no] = t1.[order_no] AND t2.[line_no] = t1.[line_no]
+ORDER BY k.[ord], t2.[discount_id];
+
+-- hydrate shipping (sales.order_shipping)
+SELECT k.[ord], t1.[tenant_id] AS [link_tenant_id], t1.[order_no] AS [link_order_no], t1.[tenant_id], t1.[order_no], t1.[ship_on], t1.[label]
+FROM #skein_keys k
+JOIN [sales].[order] t0 ON t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]) AND t0.[order_no] = TRY_CONVERT(bigint, k.[v1])
+JOIN [sales].[order_shipping] t1 ON t1.[tenant_id] = t0.[tenant_id] AND t1.[order_no] = t0.[order_no]
+ORDER BY k.[ord], t1.[tenant_id], t1.[order_no];
+

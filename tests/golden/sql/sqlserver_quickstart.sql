@@ -1,0 +1,122 @@
+-- skein sql source --dialect sqlserver
+-- skein: SQL Server CDC enablement for pipeline 'quickstart'.
+-- Needs the SQL Server Agent running (it runs the capture and cleanup jobs).
+-- Only key and join columns are captured: skein reads the latest state of
+-- an aggregate from the tables themselves.
+IF NOT EXISTS (SELECT 1 FROM sys.databases WHERE database_id = DB_ID() AND is_cdc_enabled = 1)
+    EXEC sys.sp_cdc_enable_db;
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'dbo' AND tb.name = N'customer' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'dbo',
+        @source_name = N'customer',
+        @role_name = NULL,
+        @capture_instance = N'dbo_customer',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[id]';
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'dbo' AND tb.name = N'address' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'dbo',
+        @source_name = N'address',
+        @role_name = NULL,
+        @capture_instance = N'dbo_address',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[customer_id], [id]';
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'dbo' AND tb.name = N'address_line' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'dbo',
+        @source_name = N'address_line',
+        @role_name = NULL,
+        @capture_instance = N'dbo_address_line',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[address_id], [line_no]';
+
+IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id = tb.schema_id
+    WHERE sc.name = N'dbo' AND tb.name = N'contact' AND tb.is_tracked_by_cdc = 1)
+    EXEC sys.sp_cdc_enable_table
+        @source_schema = N'dbo',
+        @source_name = N'contact',
+        @role_name = NULL,
+        @capture_instance = N'dbo_contact',
+        @supports_net_changes = 0,
+        @captured_column_list = N'[customer_id], [kind]';
+
+-- upper bound of a window
+SELECT sys.fn_cdc_get_max_lsn();
+
+-- validity interval of a capture instance
+SELECT sys.fn_cdc_get_min_lsn(@P1);
+
+-- capture instances of a table
+SELECT ct.capture_instance, ct.start_lsn, ct.create_date FROM cdc.change_tables ct JOIN sys.tables tb ON tb.object_id = ct.source_object_id JOIN sys.schemas sc ON sc.schema_id = tb.schema_id WHERE sc.name = @P1 AND tb.name = @P2 ORDER BY ct.create_date DESC;
+
+-- the batch cap
+SELECT TOP (@P2 + 1) u.[lsn]
+FROM (
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P3, @P1, N'all update old')
+    UNION ALL
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P3, @P1, N'all update old')
+    UNION ALL
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P3, @P1, N'all update old')
+    UNION ALL
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P3, @P1, N'all update old')
+) u
+ORDER BY u.[lsn];
+
+-- changes of dbo.customer
+SELECT [__$start_lsn], [__$seqval], [__$operation], [id]
+FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- changes of dbo.address
+SELECT [__$start_lsn], [__$seqval], [__$operation], [customer_id], [id]
+FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- changes of dbo.address_line
+SELECT [__$start_lsn], [__$seqval], [__$operation], [address_id], [line_no]
+FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- changes of dbo.contact
+SELECT [__$start_lsn], [__$seqval], [__$operation], [customer_id], [kind]
+FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P1, @P2, N'all update old')
+ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- the batch's root keys
+IF OBJECT_ID(N'tempdb..#skein_keys') IS NOT NULL DROP TABLE #skein_keys;
+CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, [v0] nvarchar(4000) NULL);
+
+-- hydrate customer (dbo.customer)
+SELECT k.[ord], t0.[id] AS [ref_id], t0.[id], t0.[name], t0.[email], t0.[credit_limit], t0.[is_deleted], t0.[row_version], t0.[created_at]
+FROM #skein_keys k
+LEFT JOIN [dbo].[customer] t0 ON t0.[id] = TRY_CONVERT(int, k.[v0])
+ORDER BY k.[ord];
+
+-- hydrate addresses (dbo.address)
+SELECT k.[ord], t1.[customer_id] AS [link_customer_id], t1.[id] AS [ref_id], t1.[id], t1.[customer_id], t1.[kind], t1.[city]
+FROM #skein_keys k
+JOIN [dbo].[customer] t0 ON t0.[id] = TRY_CONVERT(int, k.[v0])
+JOIN [dbo].[address] t1 ON t1.[customer_id] = t0.[id]
+ORDER BY k.[ord], t1.[id];
+
+-- hydrate lines (dbo.address_line)
+SELECT k.[ord], t2.[address_id] AS [link_address_id], t2.[address_id], t2.[line_no], t2.[text]
+FROM #skein_keys k
+JOIN [dbo].[customer] t0 ON t0.[id] = TRY_CONVERT(int, k.[v0])
+JOIN [dbo].[address] t1 ON t1.[customer_id] = t0.[id]
+JOIN [dbo].[address_line] t2 ON t2.[address_id] = t1.[id]
+ORDER BY k.[ord], t2.[address_id], t2.[line_no];
+
+-- hydrate contacts (dbo.contact)
+SELECT k.[ord], t1.[customer_id] AS [link_customer_id], t1.[customer_id], t1.[kind], t1.[value]
+FROM #skein_keys k
+JOIN [dbo].[customer] t0 ON t0.[id] = TRY_CONVERT(int, k.[v0])
+JOIN [dbo].[contact] t1 ON t1.[customer_id] = t0.[id]
+ORDER BY k.[ord], t1.[customer_id], t1.[kind];
+

@@ -1,0 +1,70 @@
+-- skein sidecar schema (T-SQL), version 2.
+IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
+
+IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
+CREATE TABLE [skein].[schema_version] (
+  [version]    int          NOT NULL PRIMARY KEY,
+  [applied_at] datetime2(6) NOT NULL DEFAULT SYSUTCDATETIME()
+);
+
+-- The exactly-once recovery marker; moves only inside the batch transaction.
+IF OBJECT_ID(N'[skein].[progress]', N'U') IS NULL
+CREATE TABLE [skein].[progress] (
+  [group_name]    nvarchar(200) NOT NULL,
+  [topic]         nvarchar(400) NOT NULL,
+  [partition]     int           NOT NULL,
+  [position]      bigint        NOT NULL,
+  [source_commit] binary(10)    NULL,
+  [source_seq]    bigint        NULL,
+  [updated_at]    datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
+  PRIMARY KEY ([group_name], [topic], [partition])
+);
+
+IF OBJECT_ID(N'[skein].[batch]', N'U') IS NULL
+CREATE TABLE [skein].[batch] (
+  [id]             bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,
+  [correlation_id] uniqueidentifier NOT NULL UNIQUE,
+  [group_name]     nvarchar(200) NOT NULL,
+  [topic]          nvarchar(400) NOT NULL,
+  [partition]      int           NOT NULL,
+  [lower_position] bigint        NOT NULL,
+  [upper_position] bigint        NOT NULL,
+  [record_count]   int           NOT NULL,
+  [entity_count]   int           NOT NULL,
+  [event_count]    int           NOT NULL,
+  [has_data_loss]  bit           NOT NULL DEFAULT 0,
+  [dead_letters]   int           NOT NULL DEFAULT 0,
+  [created_at]     datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()
+);
+
+IF OBJECT_ID(N'[skein].[version]', N'U') IS NULL
+CREATE TABLE [skein].[version] (
+  [entity]     nvarchar(200) NOT NULL,
+  [key]        nvarchar(900) NOT NULL,
+  [etag]       char(64)      NULL,
+  [is_deleted] bit           NOT NULL DEFAULT 0,
+  [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
+  PRIMARY KEY ([entity], [key])
+);
+
+IF OBJECT_ID(N'[skein].[outbox]', N'U') IS NULL
+CREATE TABLE [skein].[outbox] (
+  [id]          bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,
+  [event_id]    uniqueidentifier NOT NULL UNIQUE,
+  [batch_id]    bigint        NOT NULL REFERENCES [skein].[batch] ([id]),
+  [entity]      nvarchar(200) NOT NULL,
+  [key]         nvarchar(900) NOT NULL,
+  [partition]   int           NOT NULL,
+  [etag]        char(64)      NULL,
+  [event]       nvarchar(max) NOT NULL,
+  [commit_time] datetime2(6)  NOT NULL,
+  [enqueued_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
+  [dequeued_at] datetime2(6)  NULL
+);
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
+    CREATE INDEX [outbox_pending] ON [skein].[outbox] ([id]) WHERE [dequeued_at] IS NULL;
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
+    CREATE INDEX [outbox_entity_key] ON [skein].[outbox] ([entity], [key], [id]);
+
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 2)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (2);
