@@ -17,6 +17,7 @@ pub mod failpoint;
 pub mod json;
 pub mod position;
 pub mod record;
+pub mod sqlvalue;
 
 pub use config::Config;
 pub use error::{Error, Result};

@@ -15,6 +15,7 @@ pub mod marker;
 pub mod pgoutput;
 pub mod postgres;
 pub mod resolve;
+pub mod sqlserver;
 
 use std::time::{Duration, Instant};
 
