@@ -30,7 +30,9 @@ use skein_applier::{Applier, Error as ApplyError, Input, ProgressKind};
 use skein_common::config::{Config, TransportKind};
 use skein_common::ChangeRecord;
 use skein_extractor::{PgSource, SledMarkerStore};
-use skein_transporter::kafka::{client_config, decode, ensure_topic, KafkaTransport};
+use skein_transporter::kafka::{
+    client_config, decode, ensure_topic, reliable_producer_config, KafkaTransport,
+};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -133,6 +135,29 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
 /// moved by someone else.
 const PROGRESS_CHECK: Duration = Duration::from_secs(2);
 
+/// Where a partition resumes: its committed progress, or the beginning
+/// when it has none (the sidecar is the truth, not Kafka's offset).
+fn start_offset(progress: Option<Progress>) -> Offset {
+    progress
+        .map(|p| Offset::Offset(p.position))
+        .unwrap_or(Offset::Beginning)
+}
+
+/// Moves an assigned partition's consumption to [`start_offset`].
+fn seek_to(
+    consumer: &BaseConsumer<ApplyContext>,
+    topic: &str,
+    partition: i32,
+    progress: Option<Progress>,
+) -> rdkafka::error::KafkaResult<()> {
+    consumer.seek(
+        topic,
+        partition,
+        start_offset(progress),
+        Duration::from_secs(10),
+    )
+}
+
 /// What a rebalance callback left for the loop.
 enum Rebalanced {
     Assigned(Vec<i32>),
@@ -219,11 +244,9 @@ impl ConsumerContext for ApplyContext {
                 match self.progress_of(&parts) {
                     Ok(progress) => {
                         for (p, pr) in &progress {
-                            let offset = match pr {
-                                Some(pr) => Offset::Offset(pr.position),
-                                None => Offset::Beginning,
-                            };
-                            if let Err(e) = tpl.set_partition_offset(&self.topic, *p, offset) {
+                            if let Err(e) =
+                                tpl.set_partition_offset(&self.topic, *p, start_offset(*pr))
+                            {
                                 self.fail(format!("setting the start of partition {p}: {e}"));
                             }
                         }
@@ -301,9 +324,7 @@ fn consume(
     consumer
         .subscribe(&[&topic])
         .context("subscribing to the change topic")?;
-    let mut dlq_cfg = kc.clone();
-    dlq_cfg.set("enable.idempotence", "true").set("acks", "all");
-    let dlq: FutureProducer = dlq_cfg
+    let dlq: FutureProducer = reliable_producer_config(&kc)
         .create()
         .context("creating the dead-letter producer")?;
     let dlq_topic = dlq_topic(&topic);
@@ -424,10 +445,7 @@ fn consume(
                     let now = rt.block_on(a.progress())?;
                     if now != believed {
                         warn!(partition = p, believed = ?believed.map(|x| x.position), now = ?now.map(|x| x.position), "progress moved under this applier (a replay?); re-seeking");
-                        let to = now
-                            .map(|x| Offset::Offset(x.position))
-                            .unwrap_or(Offset::Beginning);
-                        if let Err(e) = consumer.seek(&topic, p, to, Duration::from_secs(10)) {
+                        if let Err(e) = seek_to(&consumer, &topic, p, now) {
                             warn!(partition = p, error = %e, "seek failed");
                         }
                     }
@@ -483,10 +501,7 @@ fn consume(
                     a.reset_progress();
                     match rt.block_on(a.progress()) {
                         Ok(pr) => {
-                            let to = pr
-                                .map(|x| Offset::Offset(x.position))
-                                .unwrap_or(Offset::Beginning);
-                            if let Err(e) = consumer.seek(&topic, p, to, Duration::from_secs(10)) {
+                            if let Err(e) = seek_to(&consumer, &topic, p, pr) {
                                 warn!(partition = p, error = %e, "seek after a fence failed; re-sent records are dropped by position");
                             }
                         }

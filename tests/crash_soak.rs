@@ -10,30 +10,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::soak::{check, play_workload, random_statement, AGGREGATES};
+use common::soak::{check, env_num, play_workload, random_statement, soak_seed, AGGREGATES};
 use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{name}={v} is not a number"))
-        })
-        .unwrap_or(default)
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_soak_keeps_events_exactly_once_and_final_state_right() {
-    let seed = env_num(
-        "SKEIN_SOAK_SEED",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    );
+    let seed = soak_seed();
     let target_changes = env_num("SKEIN_SOAK_CHANGES", 20_000);
     let min_kills = env_num("SKEIN_SOAK_KILLS", 12);
     // Printed first so a failure can be replayed; also in every assertion.

@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::soak::{check, monotonic_statement, play_workload};
+use common::soak::{check, monotonic_statement, play_workload, soak_seed};
 use common::*;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
@@ -123,15 +123,7 @@ fn kafka_sink(y: String, prefix: &str, mode: &str) -> String {
 /// started. Events go to the Kafka sink.
 #[tokio::test(flavor = "multi_thread")]
 async fn scale_out_over_six_partitions() {
-    let seed: u64 = std::env::var("SKEIN_SOAK_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let seed = soak_seed();
     eprintln!("scale-out seed: SKEIN_SOAK_SEED={seed}");
     let ctx = format!("(SKEIN_SOAK_SEED={seed})");
     let prefix = fresh_topic("scale_out_events");

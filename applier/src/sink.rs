@@ -157,12 +157,8 @@ impl KafkaSink {
         topic_prefix: &str,
         mode: EventMode,
     ) -> Result<KafkaSink> {
-        let mut c = skein_transporter::kafka::client_config(brokers, properties);
-        c.set("enable.idempotence", "true").set("acks", "all");
-        if c.get("linger.ms").is_none() {
-            c.set("linger.ms", "5");
-        }
-        let producer = c
+        use skein_transporter::kafka::{client_config, reliable_producer_config};
+        let producer = reliable_producer_config(&client_config(brokers, properties))
             .create_with_context(DeliveryLog::default())
             .map_err(|e| Error::Sink {
                 message: format!("creating the kafka sink producer: {e}"),

@@ -13,6 +13,28 @@ use tokio_postgres::Client;
 use super::{connect, Env};
 
 pub const AGGREGATES: i32 = 250;
+
+/// `name` from the environment (a number), or `default`; anything else is an error.
+pub fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}={v} is not a number"))
+        })
+        .unwrap_or(default)
+}
+
+/// The seed of a soak: `SKEIN_SOAK_SEED` to replay one, else a fresh one.
+pub fn soak_seed() -> u64 {
+    env_num(
+        "SKEIN_SOAK_SEED",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+    )
+}
 const ADDRESS_IDS: i32 = 1200;
 const KINDS: [&str; 4] = ["phone", "mail", "fax", "pager"];
 const CITIES: [&str; 6] = ["London", "Paris", "Zürich", "Lisboa", "Kraków", "Oslo"];

@@ -137,10 +137,7 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
         return Err(format!("{} trailing bytes after the record", body.len()));
     }
     let fields = record_fields(value)?;
-    let long = |k: &str| match fields.get(k) {
-        Some(Value::Long(v)) => Ok(*v),
-        other => Err(format!("field `{k}`: expected a long, got {other:?}")),
-    };
+    let long = |k: &str| long_field(&fields, k);
     let lower = PgLsn::from_i64(long("lower")?);
     let upper = PgLsn::from_i64(long("upper")?);
     let has_data_loss = matches!(fields.get("has_data_loss"), Some(Value::Boolean(true)));
@@ -166,16 +163,20 @@ fn record_fields(v: Value) -> std::result::Result<BTreeMap<String, Value>, Strin
     }
 }
 
+fn long_field(f: &BTreeMap<String, Value>, k: &str) -> std::result::Result<i64, String> {
+    match f.get(k) {
+        Some(Value::Long(v)) => Ok(*v),
+        other => Err(format!("field `{k}`: expected a long, got {other:?}")),
+    }
+}
+
 fn decode_record(v: Value) -> std::result::Result<ChangeRecord, String> {
     let f = record_fields(v)?;
     let string = |k: &str| match f.get(k) {
         Some(Value::String(s)) => Ok(s.clone()),
         other => Err(format!("field `{k}`: expected a string, got {other:?}")),
     };
-    let long = |k: &str| match f.get(k) {
-        Some(Value::Long(v)) => Ok(*v),
-        other => Err(format!("field `{k}`: expected a long, got {other:?}")),
-    };
+    let long = |k: &str| long_field(&f, k);
     let root_key = match f.get("root_key") {
         Some(Value::Array(items)) => items
             .iter()
@@ -219,6 +220,15 @@ pub fn client_config(brokers: &str, properties: &BTreeMap<String, Secret>) -> Cl
     for (k, v) in properties {
         c.set(k, v.expose());
     }
+    c
+}
+
+/// `config` made into an idempotent, `acks=all` producer's: every producer
+/// skein creates (change records, dead letters, the Kafka sink). `linger.ms`
+/// stays librdkafka's (5 ms), or what the user set.
+pub fn reliable_producer_config(config: &ClientConfig) -> ClientConfig {
+    let mut c = config.clone();
+    c.set("enable.idempotence", "true").set("acks", "all");
     c
 }
 
@@ -349,14 +359,10 @@ impl KafkaTransport {
         topic: &str,
         partitions: u32,
     ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
-        let mut c = config.clone();
-        c.set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("max.in.flight.requests.per.connection", "5");
-        for (k, v) in [("linger.ms", "5"), ("message.timeout.ms", "120000")] {
-            if c.get(k).is_none() {
-                c.set(k, v);
-            }
+        let mut c = reliable_producer_config(config);
+        c.set("max.in.flight.requests.per.connection", "5");
+        if c.get("message.timeout.ms").is_none() {
+            c.set("message.timeout.ms", "120000");
         }
         Ok(KafkaTransport {
             producer: c.create().map_err(kafka("creating the producer"))?,
