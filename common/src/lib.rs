@@ -15,6 +15,7 @@ pub mod config;
 pub mod error;
 pub mod failpoint;
 pub mod json;
+pub mod mssql;
 pub mod position;
 pub mod record;
 pub mod sqlvalue;

@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 
 use skein_common::config::{Config, TableNode};
 
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, ColumnInfo};
 use crate::postgres::{path_joins_and_order, path_to, referenced_columns, tracked_tables};
 
 /// Sidecar schema version written by [`sidecar_ddl`] (same tables as PostgreSQL's).
@@ -162,6 +162,52 @@ pub fn keys_table_sql(n: usize) -> String {
     )
 }
 
+/// How many root keys one `INSERT INTO #skein_keys` carries: a request
+/// takes at most 2,100 parameters and a `VALUES` list at most 1,000 rows.
+pub fn keys_per_insert(key_columns: usize) -> usize {
+    (2_000 / (key_columns + 1)).clamp(1, 1_000)
+}
+
+/// Inserts `rows` root keys (`ord` then the key texts, as parameters
+/// `@P1…`) into `#skein_keys`.
+pub fn keys_insert_sql(key_columns: usize, rows: usize) -> String {
+    let cols: Vec<String> = std::iter::once("[ord]".to_string())
+        .chain((0..key_columns).map(|i| format!("[v{i}]")))
+        .collect();
+    let width = key_columns + 1;
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let ps: Vec<String> = (1..=width)
+                .map(|c| format!("@P{}", r * width + c))
+                .collect();
+            format!("({})", ps.join(", "))
+        })
+        .collect();
+    format!(
+        "INSERT INTO #skein_keys ({}) VALUES {}",
+        cols.join(", "),
+        values.join(", ")
+    )
+}
+
+/// SQL Server types the reader does not decode; the catalog check names
+/// the column and the table instead of failing on the first row.
+pub const UNSUPPORTED_TYPES: &[&str] = &["sql_variant", "hierarchyid", "geometry", "geography"];
+
+/// One event column in a hydration query. `money` and `smallmoney` reach
+/// the driver as floating point, so they are cast to `decimal(19,4)` (their
+/// exact range and scale) to keep every digit.
+pub fn select_expr(alias: &str, col: &ColumnInfo) -> String {
+    match col.type_name.as_str() {
+        "money" | "smallmoney" => format!(
+            "CAST({alias}.{} AS decimal(19,4)) AS {}",
+            qi(&col.name),
+            qi(&col.name)
+        ),
+        _ => format!("{alias}.{}", qi(&col.name)),
+    }
+}
+
 /// Hydration query of one node for the root keys in `#skein_keys`.
 /// Columns: `ord`, the node's join columns (`link_*`), the columns its
 /// children join to (`ref_*`), then its event columns, typed; the root's
@@ -185,7 +231,7 @@ pub fn hydrate_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
         select.push(format!("{this}.{} AS {}", qi(&r), qi(&format!("ref_{r}"))));
     }
     for c in catalog.event_columns(node) {
-        select.push(format!("{this}.{}", qi(&c.name)));
+        select.push(select_expr(&this, c));
     }
     let root_key = catalog.key_columns(root);
     let on_root: Vec<String> = root_key

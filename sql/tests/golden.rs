@@ -327,6 +327,11 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
             "-- the batch's root keys\n{}\n\n",
             sqlserver::keys_table_sql(key_count)
         ));
+        out.push_str(&format!(
+            "-- two root keys into it ({} per statement at most)\n{};\n\n",
+            sqlserver::keys_per_insert(key_count),
+            sqlserver::keys_insert_sql(key_count, 2)
+        ));
         for (i, n) in nodes.iter().enumerate() {
             out.push_str(&format!(
                 "-- hydrate {} ({})\n{};\n\n",

@@ -92,8 +92,11 @@ ORDER BY [__$start_lsn], [__$seqval], [__$operation];
 IF OBJECT_ID(N'tempdb..#skein_keys') IS NOT NULL DROP TABLE #skein_keys;
 CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, [v0] nvarchar(4000) NULL, [v1] nvarchar(4000) NULL);
 
+-- two root keys into it (666 per statement at most)
+INSERT INTO #skein_keys ([ord], [v0], [v1]) VALUES (@P1, @P2, @P3), (@P4, @P5, @P6);
+
 -- hydrate order (sales.order)
-SELECT k.[ord], t0.[order_no] AS [ref_order_no], t0.[tenant_id] AS [ref_tenant_id], t0.[tenant_id], t0.[order_no], t0.[placed_at], t0.[total], t0.[note], t0.[row_version]
+SELECT k.[ord], t0.[order_no] AS [ref_order_no], t0.[tenant_id] AS [ref_tenant_id], t0.[tenant_id], t0.[order_no], t0.[placed_at], CAST(t0.[total] AS decimal(19,4)) AS [total], t0.[note], t0.[row_version]
 FROM #skein_keys k
 LEFT JOIN [sales].[order] t0 ON t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]) AND t0.[order_no] = TRY_CONVERT(bigint, k.[v1])
 ORDER BY k.[ord];

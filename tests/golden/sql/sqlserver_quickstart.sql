@@ -92,6 +92,9 @@ ORDER BY [__$start_lsn], [__$seqval], [__$operation];
 IF OBJECT_ID(N'tempdb..#skein_keys') IS NOT NULL DROP TABLE #skein_keys;
 CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, [v0] nvarchar(4000) NULL);
 
+-- two root keys into it (1000 per statement at most)
+INSERT INTO #skein_keys ([ord], [v0]) VALUES (@P1, @P2), (@P3, @P4);
+
 -- hydrate customer (dbo.customer)
 SELECT k.[ord], t0.[id] AS [ref_id], t0.[id], t0.[name], t0.[email], t0.[credit_limit], t0.[is_deleted], t0.[row_version], t0.[created_at]
 FROM #skein_keys k

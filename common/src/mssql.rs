@@ -1,0 +1,314 @@
+//! Decoding what the SQL Server driver (`tiberius`) hands over into
+//! [`SqlValue`], the one place where TDS types meet skein's value formats.
+//!
+//! Pure: it takes a decoded cell and returns a value, so every SQL Server
+//! type is unit-tested here without a server. Two types need help from the
+//! query instead: `money`/`smallmoney` arrive from the driver as `f64`
+//! (inexact), so generated queries cast them to `decimal(19,4)` first; and
+//! `sql_variant`, `hierarchyid`, `geometry`/`geography` are not decoded
+//! (the catalog check rejects them with the column's name).
+
+use chrono::{Duration, FixedOffset, NaiveDate, NaiveDateTime, NaiveTime, TimeZone};
+use tiberius::ColumnData;
+
+use crate::sqlvalue::SqlValue;
+
+/// A cell that cannot be represented.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("column {column}: {message}")]
+pub struct DecodeError {
+    /// Column name (or index) the cell came from.
+    pub column: String,
+    /// What was wrong.
+    pub message: String,
+}
+
+fn base_1900() -> NaiveDate {
+    NaiveDate::from_ymd_opt(1900, 1, 1).expect("valid date")
+}
+
+fn date_from_days(days: u32) -> Option<NaiveDate> {
+    NaiveDate::from_ymd_opt(1, 1, 1)?.checked_add_signed(Duration::days(i64::from(days)))
+}
+
+fn time_from_increments(increments: u64, scale: u8) -> Option<NaiveTime> {
+    if scale > 7 {
+        return None;
+    }
+    // 10^-scale seconds per increment; at most 7 digits, so nanoseconds are exact.
+    let nanos_per = 10u64.pow(9 - u32::from(scale));
+    let total = increments.checked_mul(nanos_per)?;
+    let secs = u32::try_from(total / 1_000_000_000).ok()?;
+    NaiveTime::from_num_seconds_from_midnight_opt(secs, (total % 1_000_000_000) as u32)
+}
+
+/// Decodes one cell. `column` names it in errors.
+pub fn decode(column: &str, cell: &ColumnData<'_>) -> Result<SqlValue, DecodeError> {
+    let bad = |message: String| DecodeError {
+        column: column.to_string(),
+        message,
+    };
+    macro_rules! opt {
+        ($o:expr, $f:expr) => {
+            match $o {
+                None => SqlValue::Null,
+                Some(v) => $f(v),
+            }
+        };
+    }
+    Ok(match cell {
+        ColumnData::U8(v) => opt!(v, |x: &u8| SqlValue::Int(i64::from(*x))),
+        ColumnData::I16(v) => opt!(v, |x: &i16| SqlValue::Int(i64::from(*x))),
+        ColumnData::I32(v) => opt!(v, |x: &i32| SqlValue::Int(i64::from(*x))),
+        ColumnData::I64(v) => opt!(v, |x: &i64| SqlValue::Int(*x)),
+        // `real`: the shortest decimal that reads back as the same f32, so
+        // 1.1 stays 1.1 rather than 1.100000023841858.
+        ColumnData::F32(v) => opt!(v, |x: &f32| SqlValue::Float(
+            x.to_string().parse::<f64>().unwrap_or(f64::from(*x))
+        )),
+        ColumnData::F64(v) => opt!(v, |x: &f64| SqlValue::Float(*x)),
+        ColumnData::Bit(v) => opt!(v, |x: &bool| SqlValue::Bit(*x)),
+        ColumnData::String(v) => opt!(v, |x: &std::borrow::Cow<'_, str>| SqlValue::Text(
+            x.to_string()
+        )),
+        // The driver already swapped SQL Server's mixed-endian GUID bytes
+        // into RFC 4122 order.
+        ColumnData::Guid(v) => opt!(v, |x: &tiberius::Uuid| SqlValue::Guid(*x.as_bytes())),
+        ColumnData::Binary(v) => opt!(v, |x: &std::borrow::Cow<'_, [u8]>| SqlValue::Binary(
+            x.to_vec()
+        )),
+        ColumnData::Numeric(v) => opt!(v, |x: &tiberius::numeric::Numeric| {
+            SqlValue::Decimal {
+                unscaled: x.value(),
+                scale: x.scale(),
+            }
+        }),
+        ColumnData::Xml(v) => opt!(v, |x: &std::borrow::Cow<'_, tiberius::xml::XmlData>| {
+            SqlValue::Text(x.to_string())
+        }),
+        ColumnData::DateTime(None)
+        | ColumnData::SmallDateTime(None)
+        | ColumnData::Date(None)
+        | ColumnData::Time(None)
+        | ColumnData::DateTime2(None)
+        | ColumnData::DateTimeOffset(None) => SqlValue::Null,
+        // datetime: days since 1900-01-01 and 1/300 s ticks.
+        ColumnData::DateTime(Some(d)) => {
+            let nanos = i64::from(d.seconds_fragments()) * 1_000_000_000 / 300;
+            let t = base_1900()
+                .and_hms_opt(0, 0, 0)
+                .and_then(|b| b.checked_add_signed(Duration::days(i64::from(d.days()))))
+                .and_then(|b| b.checked_add_signed(Duration::nanoseconds(nanos)))
+                .ok_or_else(|| bad(format!("datetime out of range: {d:?}")))?;
+            SqlValue::DateTime(t)
+        }
+        // smalldatetime: days since 1900-01-01 and minutes.
+        ColumnData::SmallDateTime(Some(d)) => {
+            let t = base_1900()
+                .and_hms_opt(0, 0, 0)
+                .and_then(|b| b.checked_add_signed(Duration::days(i64::from(d.days()))))
+                .and_then(|b| {
+                    b.checked_add_signed(Duration::minutes(i64::from(d.seconds_fragments())))
+                })
+                .ok_or_else(|| bad(format!("smalldatetime out of range: {d:?}")))?;
+            SqlValue::DateTime(t)
+        }
+        ColumnData::Date(Some(d)) => SqlValue::Date(
+            date_from_days(d.days()).ok_or_else(|| bad(format!("date out of range: {d:?}")))?,
+        ),
+        ColumnData::Time(Some(t)) => SqlValue::Time(
+            time_from_increments(t.increments(), t.scale())
+                .ok_or_else(|| bad(format!("time out of range: {t:?}")))?,
+        ),
+        ColumnData::DateTime2(Some(dt)) => SqlValue::DateTime(
+            datetime2(dt).ok_or_else(|| bad(format!("datetime2 out of range: {dt:?}")))?,
+        ),
+        // datetimeoffset: the date and time are UTC on the wire; the offset
+        // (minutes) is what the value was written with.
+        ColumnData::DateTimeOffset(Some(dto)) => {
+            let utc = datetime2(&dto.datetime2())
+                .ok_or_else(|| bad(format!("datetimeoffset out of range: {dto:?}")))?;
+            let tz = FixedOffset::east_opt(i32::from(dto.offset()) * 60)
+                .ok_or_else(|| bad(format!("bad offset {} minutes", dto.offset())))?;
+            SqlValue::DateTimeOffset(tz.from_utc_datetime(&utc))
+        }
+    })
+}
+
+fn datetime2(dt: &tiberius::time::DateTime2) -> Option<NaiveDateTime> {
+    let date = date_from_days(dt.date().days())?;
+    let time = time_from_increments(dt.time().increments(), dt.time().scale())?;
+    Some(date.and_time(time))
+}
+
+/// Decodes every cell of a row, in column order.
+pub fn decode_row(row: &tiberius::Row) -> Result<Vec<SqlValue>, DecodeError> {
+    row.cells().map(|(c, v)| decode(c.name(), v)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use serde_json::{json, Value};
+    use tiberius::numeric::Numeric;
+    use tiberius::time::{Date, DateTime, DateTime2, DateTimeOffset, SmallDateTime, Time};
+    use tiberius::xml::XmlData;
+    use tiberius::Uuid;
+
+    use super::*;
+
+    fn json_of(cell: ColumnData<'_>) -> Value {
+        decode("c", &cell).unwrap().to_json()
+    }
+
+    // 2024-02-29 is day 738,944 after 0001-01-01 and day 45,349 after 1900-01-01.
+    const DAYS_0001: u32 = 738_944;
+    const DAYS_1900: i32 = 45_349;
+
+    #[test]
+    fn integers_bit_and_floats() {
+        assert_eq!(json_of(ColumnData::U8(Some(255))), json!(255));
+        assert_eq!(json_of(ColumnData::I16(Some(-32768))), json!(-32768));
+        assert_eq!(json_of(ColumnData::I32(Some(42))), json!(42));
+        assert_eq!(json_of(ColumnData::I64(Some(i64::MIN))), json!(i64::MIN));
+        assert_eq!(json_of(ColumnData::Bit(Some(true))), json!(true));
+        assert_eq!(json_of(ColumnData::Bit(Some(false))), json!(false));
+        assert_eq!(json_of(ColumnData::F32(Some(1.1))), json!(1.1));
+        assert_eq!(json_of(ColumnData::F64(Some(-2.5e-3))), json!(-0.0025));
+    }
+
+    #[test]
+    fn decimal_numeric_and_money_keep_their_scale() {
+        // decimal(10,4) 12.34 arrives as 123400 at scale 4.
+        let n = Numeric::new_with_scale(123_400, 4);
+        assert_eq!(json_of(ColumnData::Numeric(Some(n))), json!("12.3400"));
+        let n = Numeric::new_with_scale(-5, 2);
+        assert_eq!(json_of(ColumnData::Numeric(Some(n))), json!("-0.05"));
+        // numeric(38,0) at its limit stays exact.
+        let big = 10i128.pow(38) - 1;
+        let n = Numeric::new_with_scale(big, 0);
+        assert_eq!(
+            json_of(ColumnData::Numeric(Some(n))),
+            json!(big.to_string())
+        );
+        // money is cast to decimal(19,4) by the queries: the same path.
+        let n = Numeric::new_with_scale(922_337_203_685_477_5807, 4);
+        assert_eq!(
+            json_of(ColumnData::Numeric(Some(n))),
+            json!("922337203685477.5807")
+        );
+    }
+
+    #[test]
+    fn character_types_and_xml() {
+        for s in ["", "plain", "Zürich ✓ 漢字"] {
+            assert_eq!(
+                json_of(ColumnData::String(Some(Cow::Borrowed(s)))),
+                json!(s)
+            );
+        }
+        let x = XmlData::new("<a b=\"1\"/>");
+        assert_eq!(
+            json_of(ColumnData::Xml(Some(Cow::Owned(x)))),
+            json!("<a b=\"1\"/>")
+        );
+    }
+
+    #[test]
+    fn dates_and_times() {
+        let date = Date::new(DAYS_0001);
+        assert_eq!(json_of(ColumnData::Date(Some(date))), json!("2024-02-29"));
+        // time(7): 21:59:59.1234567 → microseconds, truncated.
+        let t7 = Time::new(791_991_234_567, 7);
+        assert_eq!(
+            json_of(ColumnData::Time(Some(t7))),
+            json!("21:59:59.123456")
+        );
+        // time(0).
+        let t0 = Time::new(79_199, 0);
+        assert_eq!(
+            json_of(ColumnData::Time(Some(t0))),
+            json!("21:59:59.000000")
+        );
+        assert_eq!(
+            json_of(ColumnData::DateTime2(Some(DateTime2::new(date, t7)))),
+            json!("2024-02-29T21:59:59.123456")
+        );
+        // datetimeoffset: wire value is UTC, offset +02:00; the event says UTC.
+        let dto = DateTimeOffset::new(DateTime2::new(date, t7), 120);
+        assert_eq!(
+            json_of(ColumnData::DateTimeOffset(Some(dto))),
+            json!("2024-02-29T21:59:59.123456Z")
+        );
+        let SqlValue::DateTimeOffset(v) =
+            decode("c", &ColumnData::DateTimeOffset(Some(dto))).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(v.offset().local_minus_utc(), 7200);
+        // datetime: 1/300 s ticks; 21:59:59 + 299 ticks = .996666… s.
+        let ticks = (21 * 3600 + 59 * 60 + 59) * 300 + 299;
+        let dt = DateTime::new(DAYS_1900, ticks);
+        assert_eq!(
+            json_of(ColumnData::DateTime(Some(dt))),
+            json!("2024-02-29T21:59:59.996666")
+        );
+        let sdt = SmallDateTime::new(DAYS_1900 as u16, 21 * 60 + 59);
+        assert_eq!(
+            json_of(ColumnData::SmallDateTime(Some(sdt))),
+            json!("2024-02-29T21:59:00.000000")
+        );
+        // Out-of-range input is an error naming the column, not a panic.
+        let e = decode("born", &ColumnData::Time(Some(Time::new(u64::MAX, 7)))).unwrap_err();
+        assert_eq!(e.column, "born");
+    }
+
+    #[test]
+    fn guid_binary_and_rowversion() {
+        let u = Uuid::parse_str("6f9619ff-8b86-d011-b42d-00c04fc964ff").unwrap();
+        assert_eq!(
+            json_of(ColumnData::Guid(Some(u))),
+            json!("6f9619ff-8b86-d011-b42d-00c04fc964ff")
+        );
+        let b: &[u8] = &[0, 1, 2, 253, 254, 255];
+        assert_eq!(
+            json_of(ColumnData::Binary(Some(Cow::Borrowed(b)))),
+            json!("AAEC/f7/")
+        );
+        // rowversion is binary(8).
+        let rv: &[u8] = &[0, 0, 0, 0, 0, 0, 0x07, 0xD1];
+        assert_eq!(
+            json_of(ColumnData::Binary(Some(Cow::Borrowed(rv)))),
+            json!("AAAAAAAAB9E=")
+        );
+    }
+
+    #[test]
+    fn every_null_is_null() {
+        let nulls = [
+            ColumnData::U8(None),
+            ColumnData::I16(None),
+            ColumnData::I32(None),
+            ColumnData::I64(None),
+            ColumnData::F32(None),
+            ColumnData::F64(None),
+            ColumnData::Bit(None),
+            ColumnData::String(None),
+            ColumnData::Guid(None),
+            ColumnData::Binary(None),
+            ColumnData::Numeric(None),
+            ColumnData::Xml(None),
+            ColumnData::DateTime(None),
+            ColumnData::SmallDateTime(None),
+            ColumnData::Time(None),
+            ColumnData::Date(None),
+            ColumnData::DateTime2(None),
+            ColumnData::DateTimeOffset(None),
+        ];
+        for n in nulls {
+            assert_eq!(decode("c", &n).unwrap(), SqlValue::Null, "{n:?}");
+            assert_eq!(decode("c", &n).unwrap().to_text(), None);
+        }
+    }
+}
