@@ -23,13 +23,12 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientContext;
-use skein_applier::hydrate::SESSION_SETTINGS;
 use skein_applier::relay::{run_relay, RelayScope};
-use skein_applier::sidecar::{PgSidecar, Progress, Sidecar};
-use skein_applier::{Applier, Error as ApplyError, Input, ProgressKind};
+use skein_applier::sidecar::{AnySidecar, Progress, Sidecar};
+use skein_applier::{Applier, Error as ApplyError, Input, ProgressKind, Source};
 use skein_common::config::{Config, TransportKind};
 use skein_common::ChangeRecord;
-use skein_extractor::{PgSource, SledMarkerStore};
+use skein_extractor::{AnySource, SledMarkerStore};
 use skein_transporter::kafka::{
     client_config, decode, ensure_topic, reliable_producer_config, KafkaTransport,
 };
@@ -37,7 +36,7 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::{make_sink, require_postgres, shutdown_token};
+use crate::{make_sink, shutdown_token};
 
 /// The change topic and brokers of a Kafka transport config.
 pub fn kafka_transport(cfg: &Config) -> anyhow::Result<(ClientConfig, String)> {
@@ -64,7 +63,6 @@ pub fn dlq_topic(topic: &str) -> String {
 /// `skein extract`: the extractor producing to Kafka.
 pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
-    require_postgres(&cfg, "extract")?;
     let (kc, topic) = kafka_transport(&cfg)?;
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
     ensure_topic(
@@ -75,7 +73,7 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     )
     .await?;
     let transport = KafkaTransport::new(&kc, &topic, cfg.transport.partitions)?;
-    let mut source = PgSource::connect(&cfg).await?;
+    let mut source = AnySource::connect(&cfg).await?;
     skein_extractor::run(&cfg, &mut source, &markers, &transport, cancel).await?;
     Ok(())
 }
@@ -83,17 +81,13 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
 /// `skein apply`: one member of the applier consumer group.
 pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<()> {
     let cancel = shutdown_token();
-    require_postgres(&cfg, "apply")?;
     let (mut kc, topic) = kafka_transport(&cfg)?;
     if let Some(id) = &instance_id {
         kc.set("group.instance.id", id);
     }
-    let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    let mut sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
     sidecar.migrate().await?;
-    let catalog = {
-        let client = skein_extractor::postgres::connect(&cfg.source.url, "source").await?;
-        skein_extractor::postgres::load_catalog(&client, &cfg).await?
-    };
+    let catalog = skein_extractor::load_catalog(&cfg).await?;
     for t in [topic.clone(), dlq_topic(&topic)] {
         ensure_topic(
             &kc,
@@ -107,7 +101,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     let relay_cancel = CancellationToken::new();
     let relay = if cfg.transport.relay_in_apply {
         Some(tokio::spawn(run_relay(
-            PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?,
+            AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?,
             make_sink(&cfg)?,
             cfg.sink.relay_batch,
             RelayScope::Partitions(owned.clone()),
@@ -139,7 +133,7 @@ const PROGRESS_CHECK: Duration = Duration::from_secs(2);
 /// when it has none (the sidecar is the truth, not Kafka's offset).
 fn start_offset(progress: Option<Progress>) -> Offset {
     progress
-        .map(|p| Offset::Offset(p.position))
+        .map(|p| Offset::Offset(p.offset()))
         .unwrap_or(Offset::Beginning)
 }
 
@@ -168,7 +162,7 @@ struct ApplyContext {
     rt: Handle,
     cfg: Config,
     topic: String,
-    sidecar: Mutex<Option<PgSidecar>>,
+    sidecar: Mutex<Option<AnySidecar>>,
     events: Mutex<Vec<Rebalanced>>,
     failed: Mutex<Option<String>>,
 }
@@ -181,12 +175,12 @@ impl ApplyContext {
             .map_err(|_| anyhow::anyhow!("sidecar lock poisoned"))?;
         let rt = &self.rt;
         if guard.is_none() {
-            *guard = Some(rt.block_on(PgSidecar::connect(
+            *guard = Some(rt.block_on(AnySidecar::connect(
                 self.cfg.sidecar_url(),
                 &self.cfg.sidecar.schema,
             ))?);
         }
-        let sc = guard.as_ref().expect("connected above");
+        let sc = guard.as_mut().expect("connected above");
         let mut out = HashMap::new();
         for p in parts {
             let pr = rt.block_on(sc.progress(&self.cfg.name, &self.topic, *p as u32));
@@ -250,7 +244,7 @@ impl ConsumerContext for ApplyContext {
                                 self.fail(format!("setting the start of partition {p}: {e}"));
                             }
                         }
-                        info!(partitions = ?parts, progress = ?progress.iter().map(|(p, pr)| (*p, pr.map(|x| x.position))).collect::<BTreeMap<_, _>>(), "partitions assigned");
+                        info!(partitions = ?parts, progress = ?progress.iter().map(|(p, pr)| (*p, pr.map(|x| x.offset()))).collect::<BTreeMap<_, _>>(), "partitions assigned");
                     }
                     Err(e) => self.fail(format!("reading progress on assignment: {e:#}")),
                 }
@@ -330,7 +324,7 @@ fn consume(
     let dlq_topic = dlq_topic(&topic);
     info!(group = %group, topic = %topic, "applier started");
 
-    let mut appliers: HashMap<i32, Applier<PgSidecar>> = HashMap::new();
+    let mut appliers: HashMap<i32, Applier<AnySidecar>> = HashMap::new();
     let mut bufs: BTreeMap<i32, PartBuf> = BTreeMap::new();
     let wait = Duration::from_millis(cfg.transport.batch_wait_ms);
     let max = cfg.transport.max_batch_records;
@@ -444,7 +438,7 @@ fn consume(
                     a.reset_progress();
                     let now = rt.block_on(a.progress())?;
                     if now != believed {
-                        warn!(partition = p, believed = ?believed.map(|x| x.position), now = ?now.map(|x| x.position), "progress moved under this applier (a replay?); re-seeking");
+                        warn!(partition = p, believed = ?believed.map(|x| x.offset()), now = ?now.map(|x| x.offset()), "progress moved under this applier (a replay?); re-seeking");
                         if let Err(e) = seek_to(&consumer, &topic, p, now) {
                             warn!(partition = p, error = %e, "seek failed");
                         }
@@ -469,8 +463,8 @@ fn consume(
                 set.spawn(async move {
                     let r = a
                         .apply(Input {
-                            lower: buf.first,
-                            upper: buf.next,
+                            lower: i128::from(buf.first),
+                            upper: i128::from(buf.next),
                             has_data_loss: buf.has_data_loss,
                             records: &buf.records,
                             dead_letters: buf.dead_letters,
@@ -530,10 +524,9 @@ async fn new_applier(
     catalog: &skein_sql::Catalog,
     topic: &str,
     partition: i32,
-) -> anyhow::Result<Applier<PgSidecar>> {
-    let source = skein_extractor::postgres::connect(&cfg.source.url, "source").await?;
-    source.batch_execute(SESSION_SETTINGS).await?;
-    let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+) -> anyhow::Result<Applier<AnySidecar>> {
+    let source = Source::connect(cfg).await?;
+    let sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
     Ok(Applier::new(
         cfg,
         catalog,
@@ -550,7 +543,7 @@ fn take_rebalances(
     ctx: &ApplyContext,
     owned: &Arc<Mutex<Vec<i32>>>,
     bufs: &mut BTreeMap<i32, PartBuf>,
-    appliers: &mut HashMap<i32, Applier<PgSidecar>>,
+    appliers: &mut HashMap<i32, Applier<AnySidecar>>,
 ) -> anyhow::Result<()> {
     let events: Vec<Rebalanced> = match ctx.events.lock() {
         Ok(mut e) => std::mem::take(&mut *e),
@@ -620,7 +613,7 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
             },
         );
     }
-    let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    let mut sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
     let (topic, ends) = match cfg.transport.kind {
         TransportKind::InProcess => (skein_applier::IN_PROCESS_TOPIC.to_string(), None),
         TransportKind::Kafka => {
@@ -644,11 +637,21 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
     let mut total_lag = 0i64;
     for p in 0..cfg.transport.partitions {
         let pr = sidecar.progress(&cfg.name, &topic, p).await?;
-        let mut v = serde_json::json!({ "partition": p, "progress": pr.map(|x| x.position) });
+        let progress: serde_json::Value = match (pr, cfg.transport.kind) {
+            (None, _) => serde_json::Value::Null,
+            (Some(x), TransportKind::Kafka) => x.offset().into(),
+            (Some(x), TransportKind::InProcess) => {
+                skein_common::SourcePosition::from_numeric(cfg.source.kind.dialect(), x.position)
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|_| x.position.to_string())
+                    .into()
+            }
+        };
+        let mut v = serde_json::json!({ "partition": p, "progress": progress });
         if let Some(ends) = &ends {
             let (low, high) = ends[p as usize];
             // No progress yet: everything from the log start is pending.
-            let lag = high - pr.map(|x| x.position).unwrap_or(low);
+            let lag = high - pr.map(|x| x.offset()).unwrap_or(low);
             total_lag += lag.max(0);
             v["log_start"] = low.into();
             v["log_end"] = high.into();
@@ -661,21 +664,10 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
     if ends.is_some() {
         out.insert("transport_lag".into(), total_lag.into());
     }
-    let mut sc = sidecar;
-    let q = sc.schema_ident().to_string();
-    let row = sc
-        .client()
-        .query_one(
-            &format!(
-                "SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 \
-                 FROM {q}.\"outbox\" WHERE dequeued_at IS NULL"
-            ),
-            &[],
-        )
-        .await?;
+    let (pending, oldest_ms) = sidecar.pending().await?;
     out.insert(
         "outbox".into(),
-        serde_json::json!({ "pending": row.get::<_, i64>(0), "oldest_pending_ms": row.get::<_, i64>(1) }),
+        serde_json::json!({ "pending": pending, "oldest_pending_ms": oldest_ms }),
     );
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
@@ -781,7 +773,7 @@ pub async fn replay(
     // Read the group and the offsets on a blocking thread (librdkafka calls block).
     let (members, targets, affected) = {
         let (kc, topic, group, parts) = (kc.clone(), topic.clone(), group.clone(), parts.clone());
-        let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+        let mut sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
         let mut current = HashMap::new();
         for p in &parts {
             current.insert(*p, sidecar.progress(&cfg.name, &topic, *p as u32).await?);
@@ -823,7 +815,7 @@ pub async fn replay(
                     // tansu when no record is after the time).
                     let ends: HashMap<i32, i64> = parts
                         .iter()
-                        .filter_map(|p| current.get(p).copied().flatten().map(|pr| (*p, pr.position)))
+                        .filter_map(|p| current.get(p).copied().flatten().map(|pr| (*p, pr.offset())))
                         .collect();
                     first_at_or_after(&consumer, &topic, &m, &ends, ms)?
                 }
@@ -835,11 +827,11 @@ pub async fn replay(
                 let Some(&to) = from_offsets.get(p) else {
                     continue;
                 };
-                if to > pr.position {
-                    bail!("partition {p}: offset {to} is after the progress {}; replay only rewinds (moving forward would skip records)", pr.position);
+                if to > pr.offset() {
+                    bail!("partition {p}: offset {to} is after the progress {}; replay only rewinds (moving forward would skip records)", pr.offset());
                 }
-                if to < pr.position {
-                    targets.insert(*p, (pr.position, to));
+                if to < pr.offset() {
+                    targets.insert(*p, (pr.offset(), to));
                 }
             }
             // The aggregates in the replayed ranges, for --republish.
@@ -887,7 +879,18 @@ pub async fn replay(
         println!("nothing to rewind: every selected partition is already at or before that point");
         return Ok(());
     }
-    let mut sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    let AnySidecar::Postgres(mut sidecar) =
+        AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?
+    else {
+        bail!(
+            "`skein replay` rewrites progress on a PostgreSQL sidecar only in this version; \
+             with the sidecar on SQL Server, stop the appliers and run in the sidecar database:\n\
+             UPDATE [{schema}].[progress] SET [position] = <offset>, [source_commit] = NULL, [source_seq] = NULL \
+             WHERE [group_name] = N'{group}' AND [topic] = N'{topic}' AND [partition] = <partition>;",
+            schema = cfg.sidecar.schema,
+            group = cfg.name,
+        );
+    };
     let q = sidecar.schema_ident().to_string();
     let client = sidecar.client();
     let tx = client.transaction().await?;
@@ -895,8 +898,8 @@ pub async fn replay(
         let n = tx
             .execute(
                 &format!(
-                    "UPDATE {q}.\"progress\" SET position = $5, source_commit = NULL, source_seq = NULL, updated_at = now() \
-                     WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4"
+                    "UPDATE {q}.\"progress\" SET position = $5::int8, source_commit = NULL, source_seq = NULL, updated_at = now() \
+                     WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8"
                 ),
                 &[&cfg.name, &topic, p, cur, to],
             )

@@ -11,15 +11,14 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
-use skein_applier::hydrate::SESSION_SETTINGS;
 use skein_applier::relay::{run_relay, RelayScope};
-use skein_applier::sidecar::{PgSidecar, Sidecar};
+use skein_applier::sidecar::{AnySidecar, Sidecar};
 use skein_applier::sink::{FileSink, KafkaSink, Sink, StdoutSink};
-use skein_applier::{Applier, Input, ProgressKind, IN_PROCESS_TOPIC};
+use skein_applier::{Applier, Input, ProgressKind, Source, IN_PROCESS_TOPIC};
 use skein_common::config::{Config, SinkKind, SourceKind, TransportKind};
-use skein_common::PgLsn;
+use skein_common::{PgLsn, SourcePosition};
 use skein_extractor::marker::now_stamp;
-use skein_extractor::{Marker, MarkerStore, PgSource, SledMarkerStore};
+use skein_extractor::{AnySource, Marker, MarkerStore, SledMarkerStore};
 use skein_transporter::{InProcess, PartitionReceiver, Recv};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
@@ -105,10 +104,17 @@ enum Command {
 
 #[derive(Subcommand)]
 enum SqlWhat {
-    /// CDC enablement for the configured entities (publication, replica identity).
+    /// CDC enablement for the configured entities: publication and replica
+    /// identity (PostgreSQL), or CDC on the database and a capture instance
+    /// per tracked table (SQL Server). Idempotent.
     Source {
+        /// The dialect to print; must match the config's source.
         #[arg(long, value_enum)]
         dialect: Option<Dialect>,
+        /// Run the statements against the source instead of printing them
+        /// (needs the rights they need: sysadmin to enable CDC on SQL Server).
+        #[arg(long)]
+        apply: bool,
     },
     /// The sidecar schema DDL.
     Sidecar {
@@ -135,7 +141,8 @@ enum MarkerWhat {
     Show,
     /// Move the marker (refused while a pipeline holds the state directory).
     Reset {
-        /// The PostgreSQL LSN to read after, e.g. `0/16B3748`.
+        /// The position to read after: a PostgreSQL LSN like `0/16B3748`, or a
+        /// SQL Server LSN like `0x0000002A000001F00003`.
         #[arg(long, conflicts_with = "latest")]
         to: Option<String>,
         /// The source's current position (skips everything not yet read).
@@ -200,7 +207,7 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
             Command::Sidecar {
                 what: SidecarWhat::Migrate,
             } => {
-                let sc = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+                let mut sc = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
                 sc.migrate().await?;
                 println!("sidecar schema {} is up to date", cfg.sidecar.schema);
                 Ok(())
@@ -211,54 +218,92 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
     })
 }
 
-pub(crate) fn require_postgres(cfg: &Config, what: &str) -> anyhow::Result<()> {
-    if cfg.source.kind != SourceKind::Postgres {
-        bail!("{what} supports `source.kind: postgres` only in this version; SQL Server support is not built yet");
-    }
-    Ok(())
-}
-
 async fn sql(cfg: &Config, what: SqlWhat) -> anyhow::Result<()> {
     match what {
         SqlWhat::Sidecar { dialect } => {
-            if matches!(dialect, Some(Dialect::Sqlserver)) {
-                // The T-SQL text is generated and pinned by golden files; a
-                // sidecar on SQL Server is not wired into the appliers yet.
+            let tsql = match dialect {
+                Some(d) => matches!(d, Dialect::Sqlserver),
+                None => !skein_applier::sidecar::is_postgres_url(cfg.sidecar_url().expose()),
+            };
+            if tsql {
                 print!("{}", skein_sql::sqlserver::sidecar_ddl(&cfg.sidecar.schema));
             } else {
                 print!("{}", skein_sql::postgres::sidecar_ddl(&cfg.sidecar.schema));
             }
         }
-        SqlWhat::Source { dialect } => {
-            if matches!(dialect, Some(Dialect::Sqlserver))
-                || cfg.source.kind == SourceKind::Sqlserver
-            {
+        SqlWhat::Source { dialect, apply } => {
+            let wants_tsql = matches!(dialect, Some(Dialect::Sqlserver));
+            if wants_tsql != (cfg.source.kind == SourceKind::Sqlserver) && dialect.is_some() {
                 bail!(
-                    "reading a SQL Server catalog is not built yet (issue 4): the T-SQL \
-                     generator exists (skein_sql::sqlserver, golden files in tests/golden/sql) \
-                     but skein cannot connect to SQL Server"
+                    "the config's source is {:?}: `skein sql source` prints the statements for \
+                     that source's own dialect",
+                    cfg.source.kind
                 );
+            }
+            if cfg.source.kind == SourceKind::Sqlserver {
+                let mut client =
+                    skein_common::mssql::MssqlClient::connect(cfg.source.url.expose()).await?;
+                let catalog = skein_extractor::sqlserver::load_catalog(&mut client, cfg).await?;
+                refuse_catalog_problems(cfg, &catalog)?;
+                let ddl = skein_sql::sqlserver::source_ddl(cfg, &catalog);
+                if apply {
+                    client.batch("enabling CDC", &ddl).await?;
+                    eprintln!(
+                        "applied: CDC enablement for {} table(s)",
+                        skein_sql::postgres::tracked_tables(cfg, &catalog).len()
+                    );
+                } else {
+                    print!("{ddl}");
+                }
+                return Ok(());
             }
             let client = skein_extractor::postgres::connect(&cfg.source.url, "source").await?;
             let catalog = skein_extractor::postgres::load_catalog(&client, cfg).await?;
-            let problems = skein_sql::postgres::check_catalog(cfg, &catalog);
-            if !problems.is_empty() {
-                for p in &problems {
-                    eprintln!("error: {p}");
-                }
-                bail!(
-                    "{} problem(s) in the config against the source",
-                    problems.len()
-                );
+            refuse_catalog_problems(cfg, &catalog)?;
+            let ddl = skein_sql::postgres::source_ddl(cfg, &catalog);
+            if apply {
+                client.batch_execute(&ddl).await?;
+                eprintln!("applied: publication and replica identities");
+            } else {
+                print!("{ddl}");
             }
-            print!("{}", skein_sql::postgres::source_ddl(cfg, &catalog));
         }
     }
     Ok(())
 }
 
+/// Prints every table or column the config names that the source lacks,
+/// and fails when there is any.
+fn refuse_catalog_problems(cfg: &Config, catalog: &skein_sql::Catalog) -> anyhow::Result<()> {
+    let problems = skein_sql::postgres::check_catalog(cfg, catalog);
+    for p in &problems {
+        eprintln!("error: {p}");
+    }
+    if !problems.is_empty() {
+        bail!(
+            "{} problem(s) in the config against the source",
+            problems.len()
+        );
+    }
+    Ok(())
+}
+
 async fn validate(cfg: &Config) -> anyhow::Result<()> {
-    require_postgres(cfg, "validate")?;
+    if cfg.source.kind == SourceKind::Sqlserver {
+        // Connecting checks tables, columns and types; `check` the CDC set-up.
+        let mut source = skein_extractor::MssqlSource::connect(cfg).await?;
+        source.check().await?;
+        println!(
+            "ok: CDC is enabled, every tracked table has a readable capture instance with its \
+             key and join columns{}",
+            source
+                .instances()
+                .iter()
+                .map(|i| format!("\n  {}.{} <- {}", i.schema, i.table, i.name))
+                .collect::<String>()
+        );
+        return Ok(());
+    }
     let client = skein_extractor::postgres::connect(&cfg.source.url, "source").await?;
     let mut problems: Vec<String> = vec![];
     let wal: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
@@ -373,26 +418,38 @@ async fn marker(cfg: &Config, what: MarkerWhat) -> anyhow::Result<()> {
             latest,
             continue_with_data_loss,
         } => {
-            require_postgres(cfg, "marker reset")?;
             let old = store.load()?;
-            let position: PgLsn = match (to, latest) {
-                (Some(t), false) => t.parse()?,
-                (None, true) => {
+            let position: SourcePosition = match (to, latest, cfg.source.kind) {
+                (Some(t), false, _) => {
+                    let p: SourcePosition = t.parse()?;
+                    if p.dialect() != cfg.source.kind.dialect() {
+                        bail!(
+                            "{t} is not a position of this source ({:?})",
+                            cfg.source.kind
+                        );
+                    }
+                    p
+                }
+                (None, true, SourceKind::Postgres) => {
                     let client =
                         skein_extractor::postgres::connect(&cfg.source.url, "source").await?;
                     let s: String = client
                         .query_one("SELECT pg_current_wal_lsn()::text", &[])
                         .await?
                         .get(0);
-                    s.parse()?
+                    s.parse::<PgLsn>()?.into()
                 }
-                _ => bail!("say where to: --to LSN or --latest"),
+                (None, true, SourceKind::Sqlserver) => {
+                    let mut s = skein_extractor::MssqlSource::connect(cfg).await?;
+                    s.current_max_lsn().await?.into()
+                }
+                _ => bail!("say where to: --to POSITION or --latest"),
             };
             let skips = old.as_ref().is_some_and(|m| position > m.position);
             if skips && !continue_with_data_loss {
                 bail!(
                     "moving the marker forward from {} to {position} skips changes; add --continue-with-data-loss to accept that",
-                    old.map(|m| m.position).unwrap_or_default()
+                    old.map(|m| m.position.to_string()).unwrap_or_default()
                 );
             }
             let m = Marker {
@@ -429,7 +486,7 @@ pub(crate) fn make_sink(cfg: &Config) -> anyhow::Result<Box<dyn Sink>> {
 
 async fn relay(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
-    let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    let sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
     let sink = make_sink(&cfg)?;
     run_relay(sidecar, sink, cfg.sink.relay_batch, RelayScope::All, cancel).await?;
     Ok(())
@@ -460,14 +517,13 @@ pub(crate) fn shutdown_token() -> CancellationToken {
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
-    require_postgres(&cfg, "run")?;
     if cfg.transport.kind != TransportKind::InProcess {
         bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
     }
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
-    let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    let mut sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
     sidecar.migrate().await?;
-    let mut source = PgSource::connect(&cfg).await?;
+    let mut source = AnySource::connect(&cfg).await?;
     let catalog = source.catalog().clone();
     let (transport, receivers) =
         InProcess::new(cfg.transport.partitions, cfg.transport.channel_capacity);
@@ -484,7 +540,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let relay_cancel = CancellationToken::new();
     let relay = tokio::spawn(run_relay(
-        PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?,
+        AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?,
         make_sink(&cfg)?,
         cfg.sink.relay_batch,
         RelayScope::All,
@@ -517,9 +573,8 @@ fn applier_thread(cfg: Config, catalog: skein_sql::Catalog, rx: PartitionReceive
     };
     rt.block_on(async move {
         let setup = async {
-            let source = skein_extractor::postgres::connect(&cfg.source.url, "source").await?;
-            source.batch_execute(SESSION_SETTINGS).await?;
-            let sidecar = PgSidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+            let source = Source::connect(&cfg).await?;
+            let sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
             anyhow::Ok(Applier::new(
                 &cfg,
                 &catalog,
@@ -553,8 +608,8 @@ fn applier_thread(cfg: Config, catalog: skein_sql::Catalog, rx: PartitionReceive
             let b = &slice.batch;
             let res = a
                 .apply(Input {
-                    lower: b.lower.as_i64(),
-                    upper: b.upper.as_i64(),
+                    lower: b.lower.numeric(),
+                    upper: b.upper.numeric(),
                     has_data_loss: b.has_data_loss,
                     records: &b.records,
                     dead_letters: 0,

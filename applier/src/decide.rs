@@ -199,7 +199,7 @@ mod tests {
             table: "public.customer".into(),
             op,
             position: ChangePosition {
-                commit: PgLsn(10),
+                commit: PgLsn(10).into(),
                 seq,
             },
             tx_id: 1,

@@ -21,12 +21,15 @@ pub enum Error {
     )]
     Fenced {
         partition: u32,
-        expected: Option<i64>,
-        found: Option<i64>,
+        expected: Option<i128>,
+        found: Option<i128>,
     },
     /// A row from the source could not be turned into JSON.
     #[error("{0}")]
     Data(String),
+    /// A SQL Server query failed.
+    #[error(transparent)]
+    SqlServer(#[from] skein_common::mssql::MssqlError),
     /// The sink could not take the events.
     #[error("sink: {message}")]
     Sink {
@@ -42,6 +45,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Db { source, .. } => source.is_closed() || source.as_db_error().is_none(),
+            Error::SqlServer(e) => e.is_retryable(),
             _ => false,
         }
     }

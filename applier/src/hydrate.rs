@@ -1,13 +1,23 @@
 //! Hydration: the latest state of a batch of aggregates, one query per table
 //! of the entity per batch (never one per key), nested into entity JSON.
+//!
+//! The applier reads through [`Source`], whatever the dialect. PostgreSQL
+//! builds each row's JSON in the query (formats fixed by
+//! [`SESSION_SETTINGS`]); SQL Server returns typed columns that
+//! [`SqlValue`] turns into the same JSON formats, so an aggregate's etag does
+//! not depend on where it lives.
 
 use std::collections::HashMap;
 
 use serde_json::{Map, Value};
-use skein_common::config::{Cardinality, EntityConfig, TableNode};
-use skein_common::RootKey;
-use skein_sql::postgres::hydrate_sql;
-use skein_sql::Catalog;
+use skein_common::config::{Cardinality, Config, EntityConfig, SourceKind, TableNode};
+use skein_common::mssql::MssqlClient;
+use skein_common::sqlvalue::SqlValue;
+use skein_common::{Dialect, RootKey};
+use skein_sql::postgres::{hydrate_sql, referenced_columns};
+use skein_sql::{sqlserver, Catalog};
+use tokio_postgres::NoTls;
+use tracing::debug;
 
 use crate::decide::{Current, DeletePayload};
 use crate::error::{db, Error, Result};
@@ -17,12 +27,59 @@ use crate::error::{db, Error, Result};
 pub const SESSION_SETTINGS: &str =
     "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'iso_8601'; SET extra_float_digits = 1";
 
+/// The source database as the applier sees it: something that answers
+/// "the latest state of these aggregates".
+pub enum Source {
+    /// PostgreSQL, with [`SESSION_SETTINGS`] applied.
+    Postgres(tokio_postgres::Client),
+    /// SQL Server (boxed: the TDS client carries its buffers).
+    SqlServer(Box<MssqlClient>),
+}
+
+impl Source {
+    /// Connects to the configured source for reading state.
+    pub async fn connect(cfg: &Config) -> Result<Source> {
+        match cfg.source.kind {
+            SourceKind::Postgres => {
+                let (client, conn) = tokio_postgres::connect(cfg.source.url.expose(), NoTls)
+                    .await
+                    .map_err(db("connecting to the source"))?;
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        debug!(error = %e, "source connection closed");
+                    }
+                });
+                client
+                    .batch_execute(SESSION_SETTINGS)
+                    .await
+                    .map_err(db("setting the session formats"))?;
+                Ok(Source::Postgres(client))
+            }
+            SourceKind::Sqlserver => Ok(Source::SqlServer(Box::new(
+                MssqlClient::connect(cfg.source.url.expose()).await?,
+            ))),
+        }
+    }
+
+    /// The dialect.
+    pub fn dialect(&self) -> Dialect {
+        match self {
+            Source::Postgres(_) => Dialect::Postgres,
+            Source::SqlServer(_) => Dialect::SqlServer,
+        }
+    }
+}
+
 /// Precomputed queries and shapes for one entity.
 #[derive(Clone, Debug)]
 pub struct EntityHydrator {
     entity: EntityConfig,
     nodes: Vec<TableNode>,
     sql: Vec<String>,
+    dialect: Dialect,
+    /// SQL Server: per node, the names of the referenced (`ref_*`) and
+    /// event columns, in query order.
+    shapes: Vec<(Vec<String>, Vec<String>)>,
     root_key: Vec<String>,
     root_key_types: Vec<String>,
 }
@@ -39,10 +96,25 @@ struct Row {
 
 impl EntityHydrator {
     /// Renders the entity's queries once.
-    pub fn new(entity: &EntityConfig, catalog: &Catalog) -> EntityHydrator {
+    pub fn new(entity: &EntityConfig, catalog: &Catalog, dialect: Dialect) -> EntityHydrator {
         let nodes = entity.nodes();
         let sql = (0..nodes.len())
-            .map(|i| hydrate_sql(entity, &nodes, i, catalog))
+            .map(|i| match dialect {
+                Dialect::Postgres => hydrate_sql(entity, &nodes, i, catalog),
+                Dialect::SqlServer => sqlserver::hydrate_sql(&nodes, i, catalog),
+            })
+            .collect();
+        let shapes = (0..nodes.len())
+            .map(|i| {
+                (
+                    referenced_columns(&nodes, i),
+                    catalog
+                        .event_columns(&nodes[i])
+                        .iter()
+                        .map(|c| c.name.clone())
+                        .collect(),
+                )
+            })
             .collect();
         let root_key = catalog.key_columns(&nodes[0]);
         let root_key_types = root_key
@@ -59,6 +131,8 @@ impl EntityHydrator {
             entity: entity.clone(),
             nodes,
             sql,
+            dialect,
+            shapes,
             root_key,
             root_key_types,
         }
@@ -88,14 +162,135 @@ impl EntityHydrator {
     }
 
     /// Reads the current state of every key, in the order given.
-    pub async fn hydrate(
+    pub async fn hydrate(&self, source: &mut Source, keys: &[RootKey]) -> Result<Vec<Current>> {
+        if keys.is_empty() {
+            return Ok(vec![]);
+        }
+        if source.dialect() != self.dialect {
+            return Err(Error::Data(format!(
+                "entity `{}` was prepared for {:?} but the source is {:?}",
+                self.entity.name,
+                self.dialect,
+                source.dialect()
+            )));
+        }
+        match source {
+            Source::Postgres(client) => self.hydrate_pg(client, keys).await,
+            Source::SqlServer(client) => self.hydrate_mssql(client, keys).await,
+        }
+    }
+
+    async fn hydrate_mssql(
+        &self,
+        client: &mut MssqlClient,
+        keys: &[RootKey],
+    ) -> Result<Vec<Current>> {
+        let width = self.root_key.len();
+        let what = format!("hydrating {}", self.entity.name);
+        client
+            .batch(&what, &sqlserver::keys_table_sql(width))
+            .await?;
+        let tuples: Vec<Vec<Option<String>>> = keys
+            .iter()
+            .map(|k| (0..width).map(|c| k.0.get(c).cloned().flatten()).collect())
+            .collect();
+        client
+            .insert_tuples(&what, &tuples, sqlserver::keys_per_insert(width), |rows| {
+                sqlserver::keys_insert_sql(width, rows)
+            })
+            .await?;
+        let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
+        for (i, sql) in self.sql.iter().enumerate() {
+            let node = &self.nodes[i];
+            let rows = client
+                .query(&format!("hydrating {}", node.qualified()), sql, &[])
+                .await?;
+            let (refs, cols) = &self.shapes[i];
+            let out = rows
+                .into_iter()
+                .map(|r| self.mssql_row(i, refs, cols, r))
+                .collect::<Result<Vec<_>>>()?;
+            per_node.push(out);
+        }
+        Ok(assemble(&self.nodes, per_node, keys.len()))
+    }
+
+    /// One SQL Server hydration row: `ord`, (root: `found`), `link_*`,
+    /// `ref_*`, then the event columns.
+    fn mssql_row(
+        &self,
+        i: usize,
+        refs: &[String],
+        cols: &[String],
+        r: Vec<SqlValue>,
+    ) -> Result<Row> {
+        let node = &self.nodes[i];
+        let fixed = 1 + usize::from(i == 0) + node.on.len() + refs.len();
+        if r.len() != fixed + cols.len() {
+            return Err(Error::Data(format!(
+                "{}: expected {} columns from the hydration query, got {}",
+                node.qualified(),
+                fixed + cols.len(),
+                r.len()
+            )));
+        }
+        let ord = match &r[0] {
+            SqlValue::Int(o) => *o,
+            other => return Err(Error::Data(format!("hydration ord: {other:?}"))),
+        };
+        let mut at = 1;
+        let found = if i == 0 {
+            at += 1;
+            matches!(r[1], SqlValue::Int(1))
+        } else {
+            true
+        };
+        let link = r[at..at + node.on.len()]
+            .iter()
+            .map(SqlValue::to_text)
+            .collect();
+        at += node.on.len();
+        let ref_map = refs
+            .iter()
+            .zip(&r[at..at + refs.len()])
+            .map(|(n, v)| (n.clone(), v.to_text()))
+            .collect();
+        at += refs.len();
+        let (data, etag_input, is_deleted) = if found {
+            let mut m = Map::new();
+            for (n, v) in cols.iter().zip(&r[at..]) {
+                m.insert(n.clone(), v.to_json());
+            }
+            let is_deleted = match (i, &self.entity.is_deleted_column) {
+                (0, Some(c)) => truthy(m.get(c)),
+                _ => false,
+            };
+            let data = Value::Object(m);
+            let mut etag_input = data.clone();
+            if let Value::Object(m) = &mut etag_input {
+                for c in &node.exclude_columns_from_etag {
+                    m.remove(c);
+                }
+            }
+            (data, etag_input, is_deleted)
+        } else {
+            (Value::Null, Value::Null, false)
+        };
+        Ok(Row {
+            ord,
+            link,
+            refs: ref_map,
+            data,
+            etag_input,
+            is_deleted,
+        })
+    }
+
+    async fn hydrate_pg(
         &self,
         client: &tokio_postgres::Client,
         keys: &[RootKey],
     ) -> Result<Vec<Current>> {
-        if keys.is_empty() {
-            return Ok(vec![]);
-        }
         let arrays: Vec<Vec<Option<String>>> = (0..self.root_key.len())
             .map(|c| keys.iter().map(|k| k.0.get(c).cloned().flatten()).collect())
             .collect();
@@ -207,12 +402,24 @@ fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) 
     out
 }
 
+/// A logical-delete column's value: true, a non-zero number or `"1"`/`"true"`.
+fn truthy(v: Option<&Value>) -> bool {
+    match v {
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64().is_some_and(|f| f != 0.0),
+        Some(Value::String(s)) => s == "1" || s.eq_ignore_ascii_case("true"),
+        _ => false,
+    }
+}
+
 /// A key column's text as the JSON value the hydration query would give
-/// (numbers and booleans typed, everything else a string).
+/// (numbers and booleans typed, everything else a string). Type names are
+/// PostgreSQL's (`int4`) or SQL Server's (`int`).
 pub fn typed_key_value(type_name: &str, text: Option<&str>) -> Value {
     let Some(t) = text else { return Value::Null };
     match type_name {
-        "int2" | "int4" | "int8" => t
+        "bit" => Value::Bool(t == "1" || t.eq_ignore_ascii_case("true")),
+        "tinyint" | "smallint" | "int" | "bigint" | "int2" | "int4" | "int8" => t
             .parse::<i64>()
             .map(Value::from)
             .unwrap_or_else(|_| Value::String(t.into())),
@@ -289,5 +496,13 @@ entities:
         assert_eq!(typed_key_value("bool", Some("t")), json!(true));
         assert_eq!(typed_key_value("uuid", Some("a-b")), json!("a-b"));
         assert_eq!(typed_key_value("text", None), Value::Null);
+        assert_eq!(typed_key_value("bigint", Some("-5")), json!(-5));
+        assert_eq!(typed_key_value("bit", Some("1")), json!(true));
+        assert_eq!(
+            typed_key_value("uniqueidentifier", Some("a-b")),
+            json!("a-b")
+        );
+        assert!(truthy(Some(&json!(1))) && truthy(Some(&json!(true))) && !truthy(Some(&json!(0))));
+        assert!(!truthy(None) && !truthy(Some(&Value::Null)));
     }
 }

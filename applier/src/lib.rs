@@ -17,6 +17,7 @@ pub mod decide;
 pub mod error;
 pub mod event;
 pub mod hydrate;
+pub mod mssql_sidecar;
 pub mod relay;
 pub mod sidecar;
 pub mod sink;
@@ -25,7 +26,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use skein_common::config::Config;
-use skein_common::{ChangeRecord, PgLsn};
+use skein_common::{ChangeRecord, SourcePosition};
 use skein_sql::Catalog;
 use tracing::info;
 
@@ -33,6 +34,7 @@ use decide::{consolidate, decide, Action};
 pub use error::{Error, Result};
 use event::{build_event, EventContext};
 use hydrate::EntityHydrator;
+pub use hydrate::Source;
 use sidecar::{BatchCommit, OutboxRow, Progress, Sidecar, VersionRow};
 use skein_common::failpoint::failpoint;
 
@@ -66,9 +68,10 @@ pub enum ProgressKind {
 /// A batch as the applier sees it, whatever the transport.
 pub struct Input<'a> {
     /// Exclusive lower bound (for the batch row; Kafka: the first offset).
-    pub lower: i64,
+    /// In-process positions are [`SourcePosition::numeric`].
+    pub lower: i128,
     /// The progress to commit (in-process: the source upper bound; Kafka: next offset).
-    pub upper: i64,
+    pub upper: i128,
     /// Source reported lost changes.
     pub has_data_loss: bool,
     /// Records in position order.
@@ -82,7 +85,7 @@ pub struct Input<'a> {
 /// One partition's applier.
 pub struct Applier<S: Sidecar> {
     cfg: Config,
-    source: tokio_postgres::Client,
+    source: Source,
     sidecar: S,
     hydrators: HashMap<String, EntityHydrator>,
     topic: String,
@@ -91,12 +94,11 @@ pub struct Applier<S: Sidecar> {
 }
 
 impl<S: Sidecar> Applier<S> {
-    /// Creates an applier for one partition. `source` must have had
-    /// [`hydrate::SESSION_SETTINGS`] applied.
+    /// Creates an applier for one partition, reading state through `source`.
     pub fn new(
         cfg: &Config,
         catalog: &Catalog,
-        source: tokio_postgres::Client,
+        source: Source,
         sidecar: S,
         topic: &str,
         partition: u32,
@@ -104,7 +106,12 @@ impl<S: Sidecar> Applier<S> {
         let hydrators = cfg
             .entities
             .iter()
-            .map(|e| (e.name.clone(), EntityHydrator::new(e, catalog)))
+            .map(|e| {
+                (
+                    e.name.clone(),
+                    EntityHydrator::new(e, catalog, source.dialect()),
+                )
+            })
             .collect();
         Applier {
             cfg: cfg.clone(),
@@ -151,7 +158,7 @@ impl<S: Sidecar> Applier<S> {
     pub async fn apply(&mut self, input: Input<'_>) -> Result<Applied> {
         let started = Instant::now();
         let expected = self.progress().await?;
-        let floor = expected.map(|p| p.position).unwrap_or(i64::MIN);
+        let floor = expected.map(|p| p.position).unwrap_or(i128::MIN);
         if input.upper <= floor {
             return Ok(Applied::default());
         }
@@ -165,7 +172,7 @@ impl<S: Sidecar> Applier<S> {
             .records
             .iter()
             .filter(|r| match input.kind {
-                ProgressKind::Source => r.position.commit.as_i64() > floor,
+                ProgressKind::Source => r.position.commit.numeric() > floor,
                 ProgressKind::Offset => applied_source.is_none_or(|s| r.position > s),
             })
             .filter(|r| seen.insert((r.position, &r.entity, &r.root_key)))
@@ -195,7 +202,7 @@ impl<S: Sidecar> Applier<S> {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
             };
             let keys: Vec<_> = idxs.iter().map(|i| consolidated[*i].key.clone()).collect();
-            let current = h.hydrate(&self.source, &keys).await?;
+            let current = h.hydrate(&mut self.source, &keys).await?;
             let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
             let stored = self.sidecar.versions(entity, &canon).await?;
             for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {
@@ -276,7 +283,11 @@ impl<S: Sidecar> Applier<S> {
             batch_id: Some(batch_id),
         };
         let upper = match input.kind {
-            ProgressKind::Source => PgLsn::from_i64(input.upper).to_string(),
+            ProgressKind::Source => {
+                SourcePosition::from_numeric(self.cfg.source.kind.dialect(), input.upper)
+                    .map(|p| p.to_string())
+                    .unwrap_or_else(|_| input.upper.to_string())
+            }
             ProgressKind::Offset => format!("offset {}", input.upper),
         };
         info!(

@@ -7,7 +7,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, Instrument};
 
 use crate::error::{db, Result};
-use crate::sidecar::PgSidecar;
+use skein_common::sqlvalue::SqlValue;
+
+use crate::mssql_sidecar::MssqlSidecar;
+use crate::sidecar::{AnySidecar, PgSidecar};
 use crate::sink::{Sink, SinkEvent};
 
 /// Which outbox rows a relay takes.
@@ -26,6 +29,18 @@ pub enum RelayScope {
 /// dequeued in the same transaction, after the sink has them. Returns how
 /// many were sent.
 pub async fn relay_once(
+    sidecar: &mut AnySidecar,
+    sink: &mut dyn Sink,
+    limit: i64,
+    scope: &RelayScope,
+) -> Result<usize> {
+    match sidecar {
+        AnySidecar::Postgres(s) => relay_once_pg(s, sink, limit, scope).await,
+        AnySidecar::SqlServer(s) => relay_once_mssql(s, sink, limit, scope).await,
+    }
+}
+
+async fn relay_once_pg(
     sidecar: &mut PgSidecar,
     sink: &mut dyn Sink,
     limit: i64,
@@ -90,9 +105,100 @@ pub async fn relay_once(
     Ok(ids.len())
 }
 
+/// [`relay_once`] on SQL Server: `UPDLOCK, READPAST` is PostgreSQL's
+/// `FOR UPDATE SKIP LOCKED`; a partition-scoped relay waits instead of
+/// skipping, as on PostgreSQL.
+async fn relay_once_mssql(
+    sidecar: &mut MssqlSidecar,
+    sink: &mut dyn Sink,
+    limit: i64,
+    scope: &RelayScope,
+) -> Result<usize> {
+    let q = sidecar.schema_ident().to_string();
+    let (hint, filter) = match scope {
+        RelayScope::All => ("UPDLOCK, READPAST, ROWLOCK", String::new()),
+        RelayScope::Partitions(owned) => {
+            let owned: Vec<i32> = owned.lock().map(|o| o.clone()).unwrap_or_default();
+            if owned.is_empty() {
+                return Ok(0);
+            }
+            let list: Vec<String> = owned.iter().map(i32::to_string).collect();
+            (
+                "UPDLOCK, ROWLOCK",
+                format!(" AND [partition] IN ({})", list.join(", ")),
+            )
+        }
+    };
+    let client = sidecar.client();
+    client
+        .batch("beginning the relay transaction", "BEGIN TRAN;")
+        .await?;
+    let result = async {
+        let rows = client
+            .query(
+                "reading the outbox",
+                &format!(
+                    "SELECT TOP (@P1) [id], [entity], [event] FROM {q}.[outbox] WITH ({hint}) \
+                     WHERE [dequeued_at] IS NULL{filter} ORDER BY [id]"
+                ),
+                &[&limit],
+            )
+            .await?;
+        if rows.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut events = Vec::with_capacity(rows.len());
+        for r in rows {
+            let (
+                Some(SqlValue::Int(id)),
+                Some(SqlValue::Text(entity)),
+                Some(SqlValue::Text(event)),
+            ) = (r.first(), r.get(1), r.get(2))
+            else {
+                return Err(crate::Error::Data(format!("unexpected outbox row {r:?}")));
+            };
+            ids.push(*id);
+            events.push(SinkEvent {
+                entity: entity.clone(),
+                event: event.clone(),
+            });
+        }
+        tokio::task::block_in_place(|| sink.send(&events))?;
+        failpoint("relay.after_send_before_mark");
+        let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+        client
+            .execute(
+                "marking outbox rows dequeued",
+                &format!(
+                    "UPDATE {q}.[outbox] SET [dequeued_at] = SYSUTCDATETIME() WHERE [id] IN ({})",
+                    list.join(", ")
+                ),
+                &[],
+            )
+            .await?;
+        Ok(ids)
+    }
+    .await;
+    match result {
+        Ok(ids) => {
+            client
+                .batch("committing the relay transaction", "COMMIT TRAN;")
+                .await?;
+            Ok(ids.len())
+        }
+        Err(e) => {
+            let _ = client
+                .batch("rolling back", "IF @@TRANCOUNT > 0 ROLLBACK TRAN;")
+                .await;
+            Err(e)
+        }
+    }
+}
+
 /// Relays until cancelled, then drains what is pending once more.
 pub async fn run_relay(
-    mut sidecar: PgSidecar,
+    mut sidecar: AnySidecar,
     mut sink: Box<dyn Sink>,
     limit: i64,
     scope: RelayScope,

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use skein_common::config::Secret;
 use skein_common::failpoint::failpoint;
 use skein_common::position::ChangePosition;
-use skein_common::PgLsn;
 use skein_sql::postgres::sidecar_ddl;
 use skein_sql::quote_ident;
 use tokio_postgres::NoTls;
@@ -55,17 +54,17 @@ pub struct BatchCommit {
     /// Partition.
     pub partition: u32,
     /// The progress this applier started from (`None`: no row yet).
-    pub expected: Option<i64>,
+    pub expected: Option<i128>,
     /// The new progress.
-    pub position: i64,
+    pub position: i128,
     /// The last source change applied in this partition, after this batch.
     pub source: Option<ChangePosition>,
     /// Records sent to the dead-letter topic in this batch.
     pub dead_letters: i32,
     /// Batch bounds (for the batch row).
-    pub lower: i64,
+    pub lower: i128,
     /// Batch bounds (for the batch row).
-    pub upper: i64,
+    pub upper: i128,
     /// Correlation id (UUID text).
     pub correlation_id: String,
     /// Records applied.
@@ -83,10 +82,41 @@ pub struct BatchCommit {
 /// A partition's committed progress.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
-    /// In-process: the source upper bound; Kafka: the next offset to consume.
-    pub position: i64,
+    /// In-process: the source upper bound ([`SourcePosition::numeric`]);
+    /// Kafka: the next offset to consume.
+    ///
+    /// [`SourcePosition::numeric`]: skein_common::SourcePosition::numeric
+    pub position: i128,
     /// The last source change applied (Kafka drops re-sent records by it).
     pub source: Option<ChangePosition>,
+}
+
+impl Progress {
+    /// The position as a Kafka offset (what it is in the Kafka mode).
+    pub fn offset(&self) -> i64 {
+        i64::try_from(self.position).unwrap_or(i64::MAX)
+    }
+}
+
+/// The last source change applied, from `progress.source_commit` (display
+/// form) and `progress.source_seq`.
+pub fn source_position(commit: Option<String>, seq: Option<i64>) -> Result<Option<ChangePosition>> {
+    let Some((c, s)) = commit.zip(seq) else {
+        return Ok(None);
+    };
+    Ok(Some(ChangePosition {
+        commit: c
+            .parse()
+            .map_err(|e| Error::Data(format!("progress.source_commit: {e}")))?,
+        seq: u32::try_from(s)
+            .map_err(|_| Error::Data(format!("progress.source_seq {s} out of range")))?,
+    }))
+}
+
+/// A `numeric(25,0)` position read back as text.
+pub fn parse_numeric(s: &str) -> Result<i128> {
+    s.parse()
+        .map_err(|_| Error::Data(format!("sidecar position `{s}` is not an integer")))
 }
 
 /// The sidecar store.
@@ -98,17 +128,17 @@ pub struct Progress {
 /// recovery marker: a record at or before it is never applied again.
 pub trait Sidecar {
     /// Creates or upgrades the schema (idempotent).
-    fn migrate(&self) -> impl std::future::Future<Output = Result<()>> + Send;
+    fn migrate(&mut self) -> impl std::future::Future<Output = Result<()>> + Send;
     /// The stored progress of a partition.
     fn progress(
-        &self,
+        &mut self,
         group: &str,
         topic: &str,
         partition: u32,
     ) -> impl std::future::Future<Output = Result<Option<Progress>>> + Send;
     /// Stored versions of the given keys of an entity.
     fn versions(
-        &self,
+        &mut self,
         entity: &str,
         keys: &[String],
     ) -> impl std::future::Future<Output = Result<HashMap<String, Stored>>> + Send;
@@ -161,7 +191,7 @@ impl PgSidecar {
 }
 
 impl Sidecar for PgSidecar {
-    async fn migrate(&self) -> Result<()> {
+    async fn migrate(&mut self) -> Result<()> {
         // One transaction under an advisory lock: appliers starting together
         // would otherwise race on CREATE SCHEMA IF NOT EXISTS. `IF NOT
         // EXISTS` notices are noise on every start.
@@ -175,12 +205,17 @@ impl Sidecar for PgSidecar {
             .map_err(db("creating the sidecar schema"))
     }
 
-    async fn progress(&self, group: &str, topic: &str, partition: u32) -> Result<Option<Progress>> {
+    async fn progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
         let row = self
             .client
             .query_opt(
                 &format!(
-                    "SELECT position, source_commit, source_seq FROM {}.\"progress\" \
+                    "SELECT position::text, source_commit, source_seq FROM {}.\"progress\" \
                      WHERE group_name = $1 AND topic = $2 AND partition = $3",
                     self.q
                 ),
@@ -188,20 +223,14 @@ impl Sidecar for PgSidecar {
             )
             .await
             .map_err(db("reading progress"))?;
-        Ok(row.map(|r| {
-            let commit: Option<i64> = r.get(1);
-            let seq: Option<i64> = r.get(2);
-            Progress {
-                position: r.get(0),
-                source: commit.zip(seq).map(|(c, s)| ChangePosition {
-                    commit: PgLsn::from_i64(c),
-                    seq: s as u32,
-                }),
-            }
+        let Some(r) = row else { return Ok(None) };
+        Ok(Some(Progress {
+            position: parse_numeric(&r.get::<_, String>(0))?,
+            source: source_position(r.get(1), r.get(2))?,
         }))
     }
 
-    async fn versions(&self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
+    async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
         let rows = self
             .client
             .query(
@@ -237,18 +266,23 @@ impl Sidecar for PgSidecar {
             .map_err(db("beginning the batch transaction"))?;
         let partition = b.partition as i32;
 
-        let src_commit: Option<i64> = b.source.map(|p| p.commit.as_i64());
+        let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
+        // Positions go over the wire as text: tokio-postgres has no numeric.
+        let position = b.position.to_string();
+        let expected_text = b.expected.map(|e| e.to_string());
+        let (lower, upper) = (b.lower.to_string(), b.upper.to_string());
         let src_seq: Option<i64> = b.source.map(|p| i64::from(p.seq));
         // 1. Fence: move progress only from where this applier started.
-        let moved = match b.expected {
+        let moved = match &expected_text {
             Some(expected) => tx
                 .execute(
                     &format!(
-                        "UPDATE {q}.\"progress\" SET position = $4, source_commit = $6, source_seq = $7, \
-                         updated_at = now() \
-                         WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5"
+                        "UPDATE {q}.\"progress\" SET position = $4::text::numeric, source_commit = $6, \
+                         source_seq = $7, updated_at = now() \
+                         WHERE group_name = $1 AND topic = $2 AND partition = $3 \
+                         AND position = $5::text::numeric"
                     ),
-                    &[&b.group, &b.topic, &partition, &b.position, &expected, &src_commit, &src_seq],
+                    &[&b.group, &b.topic, &partition, &position, &expected, &src_commit, &src_seq],
                 )
                 .await
                 .map_err(db("advancing progress"))?,
@@ -256,9 +290,9 @@ impl Sidecar for PgSidecar {
                 .execute(
                     &format!(
                         "INSERT INTO {q}.\"progress\" (group_name, topic, partition, position, source_commit, source_seq) \
-                         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING"
+                         VALUES ($1, $2, $3, $4::text::numeric, $5, $6) ON CONFLICT DO NOTHING"
                     ),
-                    &[&b.group, &b.topic, &partition, &b.position, &src_commit, &src_seq],
+                    &[&b.group, &b.topic, &partition, &position, &src_commit, &src_seq],
                 )
                 .await
                 .map_err(db("creating progress"))?,
@@ -267,13 +301,14 @@ impl Sidecar for PgSidecar {
             let found = tx
                 .query_opt(
                     &format!(
-                        "SELECT position FROM {q}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3"
+                        "SELECT position::text FROM {q}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3"
                     ),
                     &[&b.group, &b.topic, &partition],
                 )
                 .await
                 .map_err(db("reading progress after a fence"))?
-                .map(|r| r.get(0));
+                .map(|r| parse_numeric(&r.get::<_, String>(0)))
+                .transpose()?;
             // Dropping `tx` rolls back.
             return Err(Error::Fenced {
                 partition: b.partition,
@@ -288,15 +323,16 @@ impl Sidecar for PgSidecar {
                 &format!(
                     "INSERT INTO {q}.\"batch\" (correlation_id, group_name, topic, partition, lower_position, \
                      upper_position, record_count, entity_count, event_count, has_data_loss, dead_letters) \
-                     VALUES ($1::text::uuid, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING id"
+                     VALUES ($1::text::uuid, $2, $3, $4, $5::text::numeric, $6::text::numeric, $7, $8, $9, $10, $11) \
+                     RETURNING id"
                 ),
                 &[
                     &b.correlation_id,
                     &b.group,
                     &b.topic,
                     &partition,
-                    &b.lower,
-                    &b.upper,
+                    &lower,
+                    &upper,
                     &b.record_count,
                     &b.entity_count,
                     &(b.outbox.len() as i32),
@@ -355,5 +391,91 @@ impl Sidecar for PgSidecar {
         tx.commit().await.map_err(db("committing the batch"))?;
         failpoint("applier.after_commit");
         Ok(batch_id)
+    }
+}
+
+/// Whether a sidecar URL points at PostgreSQL (`postgres://`,
+/// `postgresql://`); anything else is SQL Server (an ADO.NET string,
+/// `sqlserver://…` or `jdbc:sqlserver://…`).
+pub fn is_postgres_url(url: &str) -> bool {
+    let u = url.trim_start().to_ascii_lowercase();
+    u.starts_with("postgres://") || u.starts_with("postgresql://")
+}
+
+/// The configured sidecar, whichever database it runs on.
+pub enum AnySidecar {
+    /// PostgreSQL.
+    Postgres(PgSidecar),
+    /// SQL Server (boxed: the TDS client carries its buffers).
+    SqlServer(Box<crate::mssql_sidecar::MssqlSidecar>),
+}
+
+impl AnySidecar {
+    /// Connects to `url` (see [`is_postgres_url`]).
+    pub async fn connect(url: &Secret, schema: &str) -> Result<AnySidecar> {
+        Ok(if is_postgres_url(url.expose()) {
+            AnySidecar::Postgres(PgSidecar::connect(url, schema).await?)
+        } else {
+            AnySidecar::SqlServer(Box::new(
+                crate::mssql_sidecar::MssqlSidecar::connect(url, schema).await?,
+            ))
+        })
+    }
+
+    /// Pending outbox rows and the age of the oldest, in milliseconds.
+    pub async fn pending(&mut self) -> Result<(i64, i64)> {
+        match self {
+            AnySidecar::Postgres(s) => {
+                let q = s.schema_ident().to_string();
+                let row = s
+                    .client()
+                    .query_one(
+                        &format!(
+                            "SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 \
+                             FROM {q}.\"outbox\" WHERE dequeued_at IS NULL"
+                        ),
+                        &[],
+                    )
+                    .await
+                    .map_err(db("counting pending outbox rows"))?;
+                Ok((row.get(0), row.get(1)))
+            }
+            AnySidecar::SqlServer(s) => s.pending().await,
+        }
+    }
+}
+
+impl Sidecar for AnySidecar {
+    async fn migrate(&mut self) -> Result<()> {
+        match self {
+            AnySidecar::Postgres(s) => s.migrate().await,
+            AnySidecar::SqlServer(s) => s.migrate().await,
+        }
+    }
+
+    async fn progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
+        match self {
+            AnySidecar::Postgres(s) => s.progress(group, topic, partition).await,
+            AnySidecar::SqlServer(s) => s.progress(group, topic, partition).await,
+        }
+    }
+
+    async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
+        match self {
+            AnySidecar::Postgres(s) => s.versions(entity, keys).await,
+            AnySidecar::SqlServer(s) => s.versions(entity, keys).await,
+        }
+    }
+
+    async fn commit(&mut self, batch: &BatchCommit) -> Result<i64> {
+        match self {
+            AnySidecar::Postgres(s) => s.commit(batch).await,
+            AnySidecar::SqlServer(s) => s.commit(batch).await,
+        }
     }
 }

@@ -23,6 +23,8 @@ pub const DEFAULT_PUBLICATION: &str = "skein";
 pub const DEFAULT_SIDECAR_SCHEMA: &str = "skein";
 /// Default number of in-process partitions.
 pub const DEFAULT_PARTITIONS: u32 = 4;
+/// SQL Server: idle polling interval for `sys.fn_cdc_get_max_lsn()`.
+pub const DEFAULT_POLL_INTERVAL_MS: u64 = 500;
 /// Default bound of each in-process partition channel (batches in flight).
 pub const DEFAULT_CHANNEL_CAPACITY: usize = 2;
 /// Default cap of changes per extractor batch.
@@ -110,6 +112,16 @@ pub enum SourceKind {
     Sqlserver,
 }
 
+impl SourceKind {
+    /// The dialect of this source's positions.
+    pub fn dialect(self) -> crate::position::Dialect {
+        match self {
+            SourceKind::Postgres => crate::position::Dialect::Postgres,
+            SourceKind::Sqlserver => crate::position::Dialect::SqlServer,
+        }
+    }
+}
+
 /// `source:`
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -124,6 +136,18 @@ pub struct SourceConfig {
     /// PostgreSQL publication.
     #[serde(default = "default_publication")]
     pub publication: String,
+    /// SQL Server: the capture instance to read per table (`schema.table`:
+    /// name). Without an entry the table's newest capture instance is read,
+    /// with a warning when it has two (a schema change in progress).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub capture_instances: BTreeMap<String, String>,
+    /// SQL Server: how often to ask for a new maximum LSN while idle.
+    #[serde(default = "default_poll_interval_ms")]
+    pub poll_interval_ms: u64,
+}
+
+fn default_poll_interval_ms() -> u64 {
+    DEFAULT_POLL_INTERVAL_MS
 }
 
 fn default_slot() -> String {
@@ -656,6 +680,12 @@ impl Config {
                     ));
                 }
             }
+        }
+        if self.source.kind == SourceKind::Sqlserver && self.source.poll_interval_ms == 0 {
+            return Err(err(
+                &[Key("source"), Key("poll_interval_ms")],
+                "must be at least 1".into(),
+            ));
         }
         if self.transport.partitions == 0 || self.transport.partitions > 1024 {
             return Err(err(

@@ -22,5 +22,5 @@ pub mod sqlvalue;
 
 pub use config::Config;
 pub use error::{Error, Result};
-pub use position::{ChangePosition, PgLsn, SqlServerLsn};
+pub use position::{ChangePosition, Dialect, PgLsn, SourcePosition, SqlServerLsn};
 pub use record::{ChangeRecord, Op, RootKey};

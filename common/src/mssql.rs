@@ -146,6 +146,182 @@ pub fn decode_row(row: &tiberius::Row) -> Result<Vec<SqlValue>, DecodeError> {
     row.cells().map(|(c, v)| decode(c.name(), v)).collect()
 }
 
+/// A SQL Server error with what skein was doing when it happened.
+#[derive(Debug, thiserror::Error)]
+#[error("SQL Server: {context}: {source}")]
+pub struct MssqlError {
+    /// What was being done.
+    pub context: String,
+    /// The driver's error.
+    #[source]
+    pub source: tiberius::error::Error,
+}
+
+impl MssqlError {
+    /// Connection-level failures may go away on retry; a server error
+    /// (permission, syntax, missing object) does not.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self.source,
+            tiberius::error::Error::Io { .. } | tiberius::error::Error::Routing { .. }
+        )
+    }
+
+    /// The server's error number, when the server raised it.
+    pub fn server_code(&self) -> Option<u32> {
+        match &self.source {
+            tiberius::error::Error::Server(t) => Some(t.code()),
+            _ => None,
+        }
+    }
+}
+
+fn ctx(context: impl Into<String>) -> impl FnOnce(tiberius::error::Error) -> MssqlError {
+    let context = context.into();
+    move |source| MssqlError { context, source }
+}
+
+/// Parses an ADO.NET string or a (jdbc:)sqlserver:// URL.
+pub fn parse_url(url: &str) -> Result<tiberius::Config, MssqlError> {
+    let t = url.trim();
+    let lower = t.to_ascii_lowercase();
+    let parsed = if lower.starts_with("jdbc:sqlserver://") {
+        tiberius::Config::from_jdbc_string(t)
+    } else if lower.starts_with("sqlserver://") {
+        tiberius::Config::from_jdbc_string(&format!("jdbc:{t}"))
+    } else {
+        tiberius::Config::from_ado_string(t)
+    };
+    parsed.map_err(ctx("parsing the connection string"))
+}
+
+type Tds = tiberius::Client<tokio_util::compat::Compat<tokio::net::TcpStream>>;
+
+/// One SQL Server connection. Owns it; every query decodes its rows into
+/// [`SqlValue`]s so callers never see driver types.
+pub struct MssqlClient {
+    client: Tds,
+}
+
+impl std::fmt::Debug for MssqlClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MssqlClient")
+    }
+}
+
+impl MssqlClient {
+    /// Connects with an ADO.NET connection string
+    /// (`server=tcp:host,1433;database=…;user=…;password=…;TrustServerCertificate=true`)
+    /// or a JDBC-style URL (`sqlserver://host:1433;databaseName=…;user=…;password=…`,
+    /// `jdbc:` in front optional), following one Azure-style redirect.
+    pub async fn connect(url: &str) -> Result<MssqlClient, MssqlError> {
+        use tokio_util::compat::TokioAsyncWriteCompatExt;
+        let mut config = parse_url(url)?;
+        for _ in 0..2 {
+            let tcp = tokio::net::TcpStream::connect(config.get_addr())
+                .await
+                .map_err(|e| MssqlError {
+                    context: format!("connecting to {}", config.get_addr()),
+                    source: e.into(),
+                })?;
+            let _ = tcp.set_nodelay(true);
+            match tiberius::Client::connect(config.clone(), tcp.compat_write()).await {
+                Ok(client) => return Ok(MssqlClient { client }),
+                Err(tiberius::error::Error::Routing { host, port }) => {
+                    config.host(&host);
+                    config.port(port);
+                }
+                Err(e) => return Err(ctx("logging in")(e)),
+            }
+        }
+        Err(MssqlError {
+            context: "logging in".into(),
+            source: tiberius::error::Error::Protocol("redirected more than once".into()),
+        })
+    }
+
+    /// Runs a parameterised query (`@P1`, …) and decodes its first result set.
+    pub async fn query(
+        &mut self,
+        what: &str,
+        sql: &str,
+        params: &[&dyn tiberius::ToSql],
+    ) -> Result<Vec<Vec<SqlValue>>, MssqlError> {
+        let rows = self
+            .client
+            .query(sql, params)
+            .await
+            .map_err(ctx(what))?
+            .into_first_result()
+            .await
+            .map_err(ctx(what))?;
+        rows.iter()
+            .map(|r| {
+                decode_row(r).map_err(|e| MssqlError {
+                    context: what.to_string(),
+                    source: tiberius::error::Error::Conversion(e.to_string().into()),
+                })
+            })
+            .collect()
+    }
+
+    /// Runs a parameterised statement, returning the rows it affected.
+    pub async fn execute(
+        &mut self,
+        what: &str,
+        sql: &str,
+        params: &[&dyn tiberius::ToSql],
+    ) -> Result<u64, MssqlError> {
+        Ok(self
+            .client
+            .execute(sql, params)
+            .await
+            .map_err(ctx(what))?
+            .total())
+    }
+
+    /// Inserts `tuples` as `(ord, v0, v1, …)` rows, `ord` from 1, with
+    /// `insert_sql(rows)` statements of at most `per_statement` rows each
+    /// (a request takes at most 2,100 parameters).
+    pub async fn insert_tuples(
+        &mut self,
+        what: &str,
+        tuples: &[Vec<Option<String>>],
+        per_statement: usize,
+        insert_sql: impl Fn(usize) -> String,
+    ) -> Result<(), MssqlError> {
+        for (ci, chunk) in tuples.chunks(per_statement.max(1)).enumerate() {
+            let base = ci * per_statement.max(1);
+            let ords: Vec<i32> = (0..chunk.len())
+                .map(|i| i32::try_from(base + i + 1).unwrap_or(i32::MAX))
+                .collect();
+            let mut params: Vec<&dyn tiberius::ToSql> = vec![];
+            for (ord, t) in ords.iter().zip(chunk) {
+                params.push(ord);
+                for v in t {
+                    params.push(v);
+                }
+            }
+            self.execute(what, &insert_sql(chunk.len()), &params)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Runs a batch without parameters (DDL, `SET`, temp tables), discarding
+    /// any result.
+    pub async fn batch(&mut self, what: &str, sql: &str) -> Result<(), MssqlError> {
+        self.client
+            .simple_query(sql)
+            .await
+            .map_err(ctx(what))?
+            .into_results()
+            .await
+            .map_err(ctx(what))?;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::borrow::Cow;
@@ -193,7 +369,7 @@ mod tests {
             json!(big.to_string())
         );
         // money is cast to decimal(19,4) by the queries: the same path.
-        let n = Numeric::new_with_scale(922_337_203_685_477_5807, 4);
+        let n = Numeric::new_with_scale(9_223_372_036_854_775_807, 4);
         assert_eq!(
             json_of(ColumnData::Numeric(Some(n))),
             json!("922337203685477.5807")
@@ -282,6 +458,18 @@ mod tests {
             json_of(ColumnData::Binary(Some(Cow::Borrowed(rv)))),
             json!("AAAAAAAAB9E=")
         );
+    }
+
+    #[test]
+    fn connection_strings_of_both_styles_parse() {
+        for url in [
+            "server=tcp:db.example,1433;database=crm;user=u;password=p;TrustServerCertificate=true",
+            "sqlserver://db.example:1433;databaseName=crm;user=u;password=p",
+            "jdbc:sqlserver://db.example:1433;databaseName=crm;user=u;password=p",
+        ] {
+            let c = parse_url(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!(c.get_addr(), "db.example:1433", "{url}");
+        }
     }
 
     #[test]

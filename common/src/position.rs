@@ -116,6 +116,23 @@ impl SqlServerLsn {
     }
 }
 
+impl SqlServerLsn {
+    /// The previous LSN in byte order (saturates at zero): the exclusive
+    /// lower bound that makes `lsn` the first position read.
+    pub fn decrement(self) -> SqlServerLsn {
+        let mut b = self.0;
+        for i in (0..10).rev() {
+            if b[i] == 0 {
+                b[i] = 0xFF;
+            } else {
+                b[i] -= 1;
+                return SqlServerLsn(b);
+            }
+        }
+        SqlServerLsn::ZERO
+    }
+}
+
 impl fmt::Display for SqlServerLsn {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "0x{}", hex::encode_upper(self.0))
@@ -153,6 +170,146 @@ impl TryFrom<String> for SqlServerLsn {
     }
 }
 
+/// The source dialect a position belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dialect {
+    /// PostgreSQL: [`PgLsn`].
+    Postgres,
+    /// SQL Server: [`SqlServerLsn`].
+    SqlServer,
+}
+
+/// A position in the source's change order, whichever the dialect: what
+/// batches, change records, markers and the sidecar carry.
+///
+/// One pipeline reads one source, so positions of two dialects never meet
+/// in practice; a state directory or sidecar written by the other dialect
+/// is refused where it is read. (Were they compared, every PostgreSQL
+/// position sorts first.) Serialized as its display form, which tells the
+/// dialects apart: `0/16B3748` or `0x0000002A000001F00003`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum SourcePosition {
+    /// A PostgreSQL LSN.
+    Pg(PgLsn),
+    /// A SQL Server LSN.
+    SqlServer(SqlServerLsn),
+}
+
+impl SourcePosition {
+    /// "Before everything" in a dialect.
+    pub fn zero(dialect: Dialect) -> SourcePosition {
+        match dialect {
+            Dialect::Postgres => SourcePosition::Pg(PgLsn::ZERO),
+            Dialect::SqlServer => SourcePosition::SqlServer(SqlServerLsn::ZERO),
+        }
+    }
+
+    /// The dialect.
+    pub fn dialect(self) -> Dialect {
+        match self {
+            SourcePosition::Pg(_) => Dialect::Postgres,
+            SourcePosition::SqlServer(_) => Dialect::SqlServer,
+        }
+    }
+
+    /// The position as a non-negative number that orders like the source
+    /// (64 bits for PostgreSQL, 80 for SQL Server), for `numeric` columns.
+    pub fn numeric(self) -> i128 {
+        match self {
+            SourcePosition::Pg(l) => i128::from(l.0),
+            SourcePosition::SqlServer(l) => {
+                l.0.iter().fold(0i128, |acc, b| (acc << 8) | i128::from(*b))
+            }
+        }
+    }
+
+    /// Inverse of [`SourcePosition::numeric`] for a known dialect.
+    pub fn from_numeric(dialect: Dialect, v: i128) -> Result<SourcePosition> {
+        let bad = || Error::Position(format!("{v} is not a {dialect:?} position"));
+        match dialect {
+            Dialect::Postgres => Ok(SourcePosition::Pg(PgLsn(
+                u64::try_from(v).map_err(|_| bad())?,
+            ))),
+            Dialect::SqlServer => {
+                if !(0..1i128 << 80).contains(&v) {
+                    return Err(bad());
+                }
+                let bytes = v.to_be_bytes();
+                let mut b = [0u8; 10];
+                b.copy_from_slice(&bytes[6..]);
+                Ok(SourcePosition::SqlServer(SqlServerLsn(b)))
+            }
+        }
+    }
+
+    /// The PostgreSQL LSN, or an error naming what was found instead.
+    pub fn pg(self) -> Result<PgLsn> {
+        match self {
+            SourcePosition::Pg(l) => Ok(l),
+            other => Err(Error::Position(format!(
+                "{other} is a SQL Server position, but the source is PostgreSQL"
+            ))),
+        }
+    }
+
+    /// The SQL Server LSN, or an error naming what was found instead.
+    pub fn sqlserver(self) -> Result<SqlServerLsn> {
+        match self {
+            SourcePosition::SqlServer(l) => Ok(l),
+            other => Err(Error::Position(format!(
+                "{other} is a PostgreSQL position, but the source is SQL Server"
+            ))),
+        }
+    }
+}
+
+impl From<PgLsn> for SourcePosition {
+    fn from(l: PgLsn) -> Self {
+        SourcePosition::Pg(l)
+    }
+}
+
+impl From<SqlServerLsn> for SourcePosition {
+    fn from(l: SqlServerLsn) -> Self {
+        SourcePosition::SqlServer(l)
+    }
+}
+
+impl fmt::Display for SourcePosition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SourcePosition::Pg(l) => l.fmt(f),
+            SourcePosition::SqlServer(l) => l.fmt(f),
+        }
+    }
+}
+
+impl FromStr for SourcePosition {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        if s.contains('/') {
+            s.parse().map(SourcePosition::Pg)
+        } else {
+            s.parse().map(SourcePosition::SqlServer)
+        }
+    }
+}
+
+impl From<SourcePosition> for String {
+    fn from(l: SourcePosition) -> String {
+        l.to_string()
+    }
+}
+
+impl TryFrom<String> for SourcePosition {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
 /// The position of one change inside the source's order: the commit position
 /// of its transaction, then its sequence inside that transaction.
 ///
@@ -161,7 +318,7 @@ impl TryFrom<String> for SqlServerLsn {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ChangePosition {
     /// Commit (end) position of the transaction, as stored for the marker.
-    pub commit: PgLsn,
+    pub commit: SourcePosition,
     /// Order of the change within its transaction, from 0.
     pub seq: u32,
 }
@@ -180,6 +337,24 @@ mod tests {
         assert!("16B3748".parse::<PgLsn>().is_err());
         assert!("0/".parse::<PgLsn>().is_err());
         assert!("x/1".parse::<PgLsn>().is_err());
+    }
+
+    #[test]
+    fn positions_of_the_other_dialect_are_refused() {
+        let ms: SourcePosition = "0x0000002A000001F00003".parse().unwrap();
+        assert_eq!(ms.dialect(), Dialect::SqlServer);
+        assert!(ms
+            .pg()
+            .unwrap_err()
+            .to_string()
+            .contains("SQL Server position"));
+        let pg: SourcePosition = "0/16B3748".parse().unwrap();
+        assert_eq!(pg.pg().unwrap(), PgLsn(0x16B3748));
+        assert!(pg.sqlserver().is_err());
+        assert!(SourcePosition::from_numeric(Dialect::Postgres, -1).is_err());
+        assert!(SourcePosition::from_numeric(Dialect::SqlServer, 1i128 << 80).is_err());
+        // serde keeps the PostgreSQL marker format of earlier releases.
+        assert_eq!(serde_json::to_string(&pg).unwrap(), "\"0/16B3748\"");
     }
 
     #[test]
@@ -220,13 +395,33 @@ mod tests {
         }
 
         #[test]
+        fn source_positions_round_trip_through_text_and_numbers(a: u64, b: [u8; 10], c: [u8; 10]) {
+            let pg = SourcePosition::Pg(PgLsn(a));
+            let ms = SourcePosition::SqlServer(SqlServerLsn(b));
+            for p in [pg, ms] {
+                prop_assert_eq!(p.to_string().parse::<SourcePosition>().unwrap(), p);
+                prop_assert_eq!(SourcePosition::from_numeric(p.dialect(), p.numeric()).unwrap(), p);
+                prop_assert!(p.numeric() >= 0);
+            }
+            let mc = SourcePosition::SqlServer(SqlServerLsn(c));
+            prop_assert_eq!(ms.cmp(&mc), ms.numeric().cmp(&mc.numeric()));
+        }
+
+        #[test]
         fn sqlserver_lsn_increment_is_monotonic(a: [u8; 10]) {
             let l = SqlServerLsn(a);
             let n = l.increment();
             if a != [0xFF; 10] {
                 prop_assert!(n > l);
+                prop_assert_eq!(n.decrement(), l);
             } else {
                 prop_assert_eq!(n, l);
+            }
+            if a != [0; 10] {
+                prop_assert!(l.decrement() < l);
+                prop_assert_eq!(l.decrement().increment(), l);
+            } else {
+                prop_assert_eq!(l.decrement(), l);
             }
         }
     }

@@ -42,6 +42,9 @@ pub enum Error {
     /// The source is not set up for CDC.
     #[error("{message}\nFix:\n{fix}")]
     NotReady { message: String, fix: String },
+    /// A SQL Server query failed.
+    #[error(transparent)]
+    SqlServer(#[from] skein_common::mssql::MssqlError),
     /// The transport could not deliver a batch.
     #[error(transparent)]
     Transport(#[from] skein_transporter::Error),
@@ -55,6 +58,7 @@ impl Error {
             Error::Source { source, .. } => source.is_closed() || source.as_db_error().is_none(),
             Error::Replication { source } => source.is_transient() || source.is_io(),
             Error::Transport(e) => e.is_retryable(),
+            Error::SqlServer(e) => e.is_retryable(),
             _ => false,
         }
     }

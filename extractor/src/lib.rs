@@ -17,11 +17,13 @@ pub mod postgres;
 pub mod resolve;
 pub mod sqlserver;
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
-use skein_common::config::Config;
+use skein_common::config::{Config, SourceKind};
 use skein_common::failpoint::failpoint;
-use skein_common::PgLsn;
+use skein_common::{ChangeRecord, SourcePosition};
+use skein_sql::Catalog;
 use skein_transporter::{Batch, Transport};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, Instrument};
@@ -29,16 +31,211 @@ use tracing::{info, info_span, Instrument};
 pub use error::{Error, Result};
 pub use marker::{Marker, MarkerStore, SledMarkerStore};
 pub use postgres::PgSource;
+pub use sqlserver::MssqlSource;
+
+/// Where to start reading, decided against the source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StartPoint {
+    /// The position to read after.
+    pub position: SourcePosition,
+    /// Changes were skipped to get here.
+    pub data_loss: bool,
+}
+
+/// How large and how late a batch may be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Close the batch at the first transaction boundary at or past this
+    /// many changes (a larger single transaction is taken whole).
+    pub max_changes: usize,
+    /// Close it when the source has been quiet this long after something arrived.
+    pub linger: Duration,
+    /// Close it after this long in any case (an empty batch may still move
+    /// the position past changes that concern no tracked table).
+    pub max_wait: Duration,
+}
+
+/// One batch read and resolved: whole transactions in `(lower, upper]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReadBatch {
+    /// Inclusive upper bound; equal to `lower` when nothing happened.
+    pub upper: Option<SourcePosition>,
+    /// Transactions read.
+    pub transactions: usize,
+    /// Row changes read.
+    pub changes: usize,
+    /// Change records, in source order.
+    pub records: Vec<ChangeRecord>,
+}
+
+/// A source of committed changes: PostgreSQL logical decoding or SQL Server
+/// CDC.
+///
+/// Contract: `next_batch(lower)` returns every change of every transaction
+/// that committed in `(lower, upper]`, whole transactions only, in commit
+/// order, resolved to root keys; calling it again with the same `lower`
+/// (after a crash) returns the same records for the transactions it
+/// covers. `confirm(upper)` tells the source it may release what lies at
+/// or before `upper`; it is called only after the marker holding `upper`
+/// is durable, and may be a no-op.
+pub trait ChangeSource {
+    /// A name for logs (slot or database).
+    fn label(&self) -> String;
+    /// Checks the source against the stored marker and decides where to
+    /// start; [`Error::DataLoss`] when the source lost changes after it
+    /// (unless `continue_with_data_loss`).
+    fn prepare(
+        &mut self,
+        marker: Option<SourcePosition>,
+        continue_with_data_loss: bool,
+    ) -> impl Future<Output = Result<StartPoint>> + Send;
+    /// Starts reading after `from`.
+    fn start(&mut self, from: SourcePosition) -> impl Future<Output = Result<()>> + Send;
+    /// The next batch after `lower`.
+    fn next_batch(
+        &mut self,
+        lower: SourcePosition,
+        limits: BatchLimits,
+    ) -> impl Future<Output = Result<ReadBatch>> + Send;
+    /// `upper` is durably handed over.
+    fn confirm(&mut self, upper: SourcePosition);
+}
+
+/// The configured source, whichever the dialect.
+pub enum AnySource {
+    /// PostgreSQL logical decoding.
+    Postgres(Box<PgSource>),
+    /// SQL Server CDC.
+    SqlServer(Box<MssqlSource>),
+}
+
+impl AnySource {
+    /// Connects to the configured source and reads its catalog.
+    pub async fn connect(cfg: &Config) -> Result<AnySource> {
+        Ok(match cfg.source.kind {
+            SourceKind::Postgres => AnySource::Postgres(Box::new(PgSource::connect(cfg).await?)),
+            SourceKind::Sqlserver => {
+                AnySource::SqlServer(Box::new(MssqlSource::connect(cfg).await?))
+            }
+        })
+    }
+
+    /// The catalog read at connect time.
+    pub fn catalog(&self) -> &Catalog {
+        match self {
+            AnySource::Postgres(s) => s.catalog(),
+            AnySource::SqlServer(s) => s.catalog(),
+        }
+    }
+}
+
+impl ChangeSource for AnySource {
+    fn label(&self) -> String {
+        match self {
+            AnySource::Postgres(s) => s.label(),
+            AnySource::SqlServer(s) => s.label(),
+        }
+    }
+
+    async fn prepare(
+        &mut self,
+        marker: Option<SourcePosition>,
+        continue_with_data_loss: bool,
+    ) -> Result<StartPoint> {
+        match self {
+            AnySource::Postgres(s) => s.prepare(marker, continue_with_data_loss).await,
+            AnySource::SqlServer(s) => s.prepare(marker, continue_with_data_loss).await,
+        }
+    }
+
+    async fn start(&mut self, from: SourcePosition) -> Result<()> {
+        match self {
+            AnySource::Postgres(s) => s.start(from).await,
+            AnySource::SqlServer(s) => s.start(from).await,
+        }
+    }
+
+    async fn next_batch(
+        &mut self,
+        lower: SourcePosition,
+        limits: BatchLimits,
+    ) -> Result<ReadBatch> {
+        match self {
+            AnySource::Postgres(s) => s.next_batch(lower, limits).await,
+            AnySource::SqlServer(s) => s.next_batch(lower, limits).await,
+        }
+    }
+
+    fn confirm(&mut self, upper: SourcePosition) {
+        match self {
+            AnySource::Postgres(s) => s.confirm(upper),
+            AnySource::SqlServer(s) => s.confirm(upper),
+        }
+    }
+}
+
+/// Refuses to start when the config names tables or columns the source
+/// lacks, then builds the resolution plans and their table index.
+pub(crate) fn plans_for(
+    cfg: &Config,
+    catalog: &Catalog,
+) -> Result<(Vec<resolve::EntityPlan>, resolve::TableIndex)> {
+    let missing = skein_sql::postgres::check_catalog(cfg, catalog);
+    if let Some(first) = missing.first() {
+        return Err(Error::NotReady {
+            message: first.to_string(),
+            fix: "create the table/column or fix the config, then run `skein validate`".into(),
+        });
+    }
+    let plans: Vec<resolve::EntityPlan> = cfg
+        .entities
+        .iter()
+        .map(|e| resolve::EntityPlan::new(&e.name, e.nodes(), catalog))
+        .collect();
+    let by_table = resolve::table_index(&plans);
+    Ok((plans, by_table))
+}
+
+/// The stored marker in this source's dialect; a marker of the other
+/// dialect (a state directory shared by two sources) is refused.
+pub(crate) fn marker_in<T>(
+    marker: Option<SourcePosition>,
+    as_dialect: fn(SourcePosition) -> skein_common::Result<T>,
+) -> Result<Option<T>> {
+    marker
+        .map(as_dialect)
+        .transpose()
+        .map_err(|e| Error::NotReady {
+            message: format!("the marker in state_dir: {e}"),
+            fix: "give this source its own state_dir".into(),
+        })
+}
+
+/// Reads the catalog of the configured source (for appliers, which do not
+/// read changes).
+pub async fn load_catalog(cfg: &Config) -> Result<Catalog> {
+    match cfg.source.kind {
+        SourceKind::Postgres => {
+            let client = postgres::connect(&cfg.source.url, "source").await?;
+            postgres::load_catalog(&client, cfg).await
+        }
+        SourceKind::Sqlserver => {
+            let mut client =
+                skein_common::mssql::MssqlClient::connect(cfg.source.url.expose()).await?;
+            sqlserver::load_catalog(&mut client, cfg).await
+        }
+    }
+}
 
 /// Runs the extractor until `cancel` fires or an error stops it.
-pub async fn run<T: Transport + Sync>(
+pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
     cfg: &Config,
-    source: &mut PgSource,
+    source: &mut S,
     markers: &dyn MarkerStore,
     transport: &T,
     cancel: CancellationToken,
 ) -> Result<()> {
-    let span = info_span!("extractor", source = %cfg.source.slot);
+    let span = info_span!("extractor", source = %source.label());
     async move {
         let stored = markers.load()?;
         let start = source
@@ -61,56 +258,59 @@ pub async fn run<T: Transport + Sync>(
                 markers.store(&m)?;
             }
         }
-        source.start_stream(start.position).await?;
+        source.start(start.position).await?;
         info!(position = %start.position, data_loss = start.data_loss, "extractor started");
-        let mut lower: PgLsn = start.position;
+        let mut lower = start.position;
         let mut seq = 0u64;
-        let linger = Duration::from_millis(cfg.extractor.batch_linger_ms);
-        let max_wait = Duration::from_millis(cfg.extractor.max_batch_wait_ms);
+        let limits = BatchLimits {
+            max_changes: cfg.extractor.max_batch_changes,
+            linger: Duration::from_millis(cfg.extractor.batch_linger_ms),
+            max_wait: Duration::from_millis(cfg.extractor.max_batch_wait_ms),
+        };
         while !cancel.is_cancelled() {
             let batch = tokio::select! {
-                b = source.next_batch(lower, cfg.extractor.max_batch_changes, linger, max_wait) => b?,
+                b = source.next_batch(lower, limits) => b?,
                 _ = cancel.cancelled() => break,
             };
-            if batch.upper <= lower {
-                continue;
-            }
+            // Hand-over time: transport acknowledgement plus marker write.
             let t0 = Instant::now();
-            let records = source.resolve(&batch).await?;
-            let record_count = records.len();
-            if !records.is_empty() || pending_loss {
+            let Some(upper) = batch.upper.filter(|u| *u > lower) else {
+                continue;
+            };
+            let record_count = batch.records.len();
+            if !batch.records.is_empty() || pending_loss {
                 seq += 1;
                 transport
                     .send(Batch {
                         seq,
                         lower,
-                        upper: batch.upper,
+                        upper,
                         has_data_loss: pending_loss,
-                        records,
+                        records: batch.records,
                     })
                     .await?;
             }
             failpoint("extractor.after_ack_before_marker");
             markers.store(&Marker {
-                position: batch.upper,
+                position: upper,
                 has_data_loss,
                 updated_at: marker::now_stamp(),
             })?;
-            source.confirm(batch.upper);
+            source.confirm(upper);
             pending_loss = false;
-            if !batch.txs.is_empty() {
+            if batch.transactions > 0 {
                 info!(
                     batch = seq,
                     lower = %lower,
-                    upper = %batch.upper,
-                    transactions = batch.txs.len(),
-                    changes = batch.change_count(),
+                    upper = %upper,
+                    transactions = batch.transactions,
+                    changes = batch.changes,
                     records = record_count,
                     ms = t0.elapsed().as_millis() as u64,
                     "batch acknowledged"
                 );
             }
-            lower = batch.upper;
+            lower = upper;
         }
         info!(position = %lower, "extractor stopped");
         Ok(())

@@ -5,7 +5,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use skein_common::PgLsn;
+use skein_common::SourcePosition;
 
 use crate::error::{Error, Result};
 
@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 pub struct Marker {
     /// Upper bound of the last acknowledged batch: every transaction that
     /// committed at or before it has been handed over.
-    pub position: PgLsn,
+    pub position: SourcePosition,
     /// Whether changes were ever skipped because the source no longer held
     /// them (`continue_with_data_loss`).
     pub has_data_loss: bool,
@@ -112,6 +112,13 @@ impl MarkerStore for SledMarkerStore {
 
     fn store(&self, marker: &Marker) -> Result<()> {
         if let Some(cur) = self.load()? {
+            if marker.position.dialect() != cur.position.dialect() {
+                return Err(self.err(format!(
+                    "the stored marker {} belongs to another kind of source than {}; \
+                     give this source its own state_dir",
+                    cur.position, marker.position
+                )));
+            }
             if marker.position < cur.position {
                 return Err(self.err(format!(
                     "refusing to move the marker back from {} to {} (use `skein marker reset`)",
@@ -139,9 +146,11 @@ pub fn now_stamp() -> String {
 mod tests {
     use super::*;
 
+    use skein_common::PgLsn;
+
     fn m(p: u64) -> Marker {
         Marker {
-            position: PgLsn(p),
+            position: PgLsn(p).into(),
             has_data_loss: false,
             updated_at: now_stamp(),
         }
@@ -161,10 +170,10 @@ mod tests {
                 Err(Error::StateLocked { .. })
             ));
             s.reset(&m(5)).unwrap();
-            assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5));
+            assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5).into());
         }
         let s = SledMarkerStore::open(&dir).unwrap();
-        assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5));
+        assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5).into());
         drop(s);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -8,15 +8,17 @@ use std::time::{Duration, Instant};
 
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
 use skein_common::config::{Config, Secret};
-use skein_common::{ChangePosition, ChangeRecord, Op, PgLsn, RootKey};
+use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
 use skein_sql::postgres::{resolve_sql, CATALOG_QUERY};
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
 use tokio_postgres::NoTls;
 use tracing::{debug, info, warn};
 
 use crate::error::{src, Error, Result};
-use crate::pgoutput::{self, Image, Message, Relation};
-use crate::resolve::{resolve, EntityPlan, Resolved};
+use crate::pgoutput::{self, Message, Relation};
+pub use crate::resolve::RawChange;
+use crate::resolve::{BatchResolution, EntityPlan, TableIndex, TxMeta};
+use crate::{BatchLimits, ChangeSource, ReadBatch, StartPoint};
 
 /// Microseconds between the Unix epoch and PostgreSQL's epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -86,19 +88,6 @@ pub async fn load_catalog(client: &tokio_postgres::Client, cfg: &Config) -> Resu
     Ok(cat)
 }
 
-/// One captured row change inside a transaction, before resolution.
-#[derive(Clone, Debug)]
-pub struct RawChange {
-    /// `(schema, table)`.
-    pub table: (String, String),
-    /// Operation on the row itself.
-    pub op: Op,
-    /// Before image, when sent.
-    pub old: Option<Image>,
-    /// After image, when sent.
-    pub new: Option<Image>,
-}
-
 /// One committed transaction.
 #[derive(Clone, Debug)]
 pub struct Tx {
@@ -130,15 +119,6 @@ impl SourceBatch {
     }
 }
 
-/// Where to start reading, decided against the slot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StartPoint {
-    /// The position to read after.
-    pub position: PgLsn,
-    /// Changes were skipped to get here.
-    pub data_loss: bool,
-}
-
 /// The PostgreSQL change source.
 pub struct PgSource {
     client: tokio_postgres::Client,
@@ -147,7 +127,7 @@ pub struct PgSource {
     slot: String,
     publication: String,
     plans: Vec<EntityPlan>,
-    by_table: HashMap<(String, String), Vec<(usize, usize)>>,
+    by_table: TableIndex,
     stream: Option<ReplicationClient>,
     relations: HashMap<u32, Relation>,
     /// A transaction still open when the previous batch closed on time.
@@ -161,27 +141,7 @@ impl PgSource {
     pub async fn connect(cfg: &Config) -> Result<PgSource> {
         let client = connect(&cfg.source.url, "source").await?;
         let catalog = load_catalog(&client, cfg).await?;
-        let missing = skein_sql::postgres::check_catalog(cfg, &catalog);
-        if let Some(first) = missing.first() {
-            return Err(Error::NotReady {
-                message: first.to_string(),
-                fix: "create the table/column or fix the config, then run `skein validate`".into(),
-            });
-        }
-        let plans: Vec<EntityPlan> = cfg
-            .entities
-            .iter()
-            .map(|e| EntityPlan::new(&e.name, e.nodes(), &catalog))
-            .collect();
-        let mut by_table: HashMap<(String, String), Vec<(usize, usize)>> = HashMap::new();
-        for (pi, p) in plans.iter().enumerate() {
-            for n in p.nodes.iter().filter(|n| n.tracked) {
-                by_table
-                    .entry((n.schema.clone(), n.table.clone()))
-                    .or_default()
-                    .push((pi, n.index));
-            }
-        }
+        let (plans, by_table) = crate::plans_for(cfg, &catalog)?;
         Ok(PgSource {
             client,
             catalog,
@@ -209,7 +169,7 @@ impl PgSource {
     /// * marker, slot missing / invalidated / confirmed past the marker →
     ///   [`Error::DataLoss`], or with `continue_with_data_loss` start at what
     ///   the source has and report the loss.
-    pub async fn prepare(
+    pub async fn prepare_slot(
         &mut self,
         marker: Option<PgLsn>,
         continue_with_data_loss: bool,
@@ -261,7 +221,7 @@ impl PgSource {
         };
         match (marker, available, lost_reason) {
             (None, Some(at), None) => Ok(StartPoint {
-                position: at,
+                position: at.into(),
                 data_loss: false,
             }),
             (None, _, _) => {
@@ -271,12 +231,12 @@ impl PgSource {
                 let at = self.create_slot().await?;
                 info!(slot = %self.slot, position = %at, "created replication slot");
                 Ok(StartPoint {
-                    position: at,
+                    position: at.into(),
                     data_loss: false,
                 })
             }
             (Some(m), Some(at), None) if at <= m => Ok(StartPoint {
-                position: m,
+                position: m.into(),
                 data_loss: false,
             }),
             (Some(m), available, reason) => {
@@ -298,7 +258,7 @@ impl PgSource {
                 };
                 warn!(marker = %m, available = %what, position = %at, "data loss: continuing from what the source holds");
                 Ok(StartPoint {
-                    position: at,
+                    position: at.into(),
                     data_loss: true,
                 })
             }
@@ -370,7 +330,7 @@ impl PgSource {
 
     /// Reports `upper` to the slot as durably consumed. Call only after the
     /// marker holding `upper` is persisted.
-    pub fn confirm(&self, upper: PgLsn) {
+    pub fn confirm_lsn(&self, upper: PgLsn) {
         if let Some(s) = &self.stream {
             s.update_applied_lsn(Lsn(upper.as_u64()));
         }
@@ -379,7 +339,7 @@ impl PgSource {
     /// Reads whole transactions after `lower`: closes at the first commit at
     /// or past `max_changes`, when the stream has been quiet for `linger`
     /// after at least one transaction, or after `max_wait`.
-    pub async fn next_batch(
+    pub async fn read_transactions(
         &mut self,
         lower: PgLsn,
         max_changes: usize,
@@ -485,64 +445,18 @@ impl PgSource {
     /// with one lookup query per (entity, table) for children whose root is
     /// not in their own columns.
     pub async fn resolve(&self, batch: &SourceBatch) -> Result<Vec<ChangeRecord>> {
-        // Per change: resolved keys, or an index into the pending lookups.
-        struct Pending {
-            slot: usize,
-            plan: usize,
-            node: usize,
-            values: Vec<Option<String>>,
-        }
-        // (transaction index, sequence, table, resolved (plan, op, key)s)
-        type Slot = (usize, u32, String, Vec<(usize, Op, RootKey)>);
-        let mut slots: Vec<Slot> = vec![];
-        let mut lookups: Vec<Pending> = vec![];
-        for (ti, tx) in batch.txs.iter().enumerate() {
-            let mut seq = 0u32;
-            for ch in &tx.changes {
-                let Some(targets) = self.by_table.get(&ch.table) else {
-                    continue;
-                };
-                for (pi, node) in targets {
-                    let plan = &self.plans[*pi];
-                    let res = resolve(plan, *node, ch.op, ch.old.as_ref(), ch.new.as_ref())?;
-                    let slot = slots.len();
-                    let table = format!("{}.{}", ch.table.0, ch.table.1);
-                    match res {
-                        Resolved::Roots(keys) => {
-                            slots.push((
-                                ti,
-                                seq,
-                                table,
-                                keys.into_iter().map(|(op, k)| (*pi, op, k)).collect(),
-                            ));
-                        }
-                        Resolved::Lookup { node, values } => {
-                            slots.push((ti, seq, table, vec![]));
-                            for v in values {
-                                lookups.push(Pending {
-                                    slot,
-                                    plan: *pi,
-                                    node,
-                                    values: v,
-                                });
-                            }
-                        }
-                    }
-                }
-                seq += 1;
-            }
-        }
-        // Batched lookups: group by (plan, node).
-        let mut groups: HashMap<(usize, usize), Vec<&Pending>> = HashMap::new();
-        for p in &lookups {
-            groups.entry((p.plan, p.node)).or_default().push(p);
-        }
-        for ((pi, node), items) in groups {
-            let plan = &self.plans[pi];
-            let sql = resolve_sql(&plan.nodes, node, &self.catalog);
-            let width = plan.nodes[node].on.len();
+        let mut res = BatchResolution::new(
+            &self.plans,
+            &self.by_table,
+            batch.txs.iter().map(|t| t.changes.as_slice()),
+        )?;
+        for gi in 0..res.lookups().len() {
+            let g = &res.lookups()[gi];
+            let plan = &self.plans[g.plan];
+            let sql = resolve_sql(&plan.nodes, g.node, &self.catalog);
+            let width = plan.nodes[g.node].on.len();
             let arrays: Vec<Vec<Option<String>>> = (0..width)
-                .map(|c| items.iter().map(|p| p.values[c].clone()).collect())
+                .map(|c| g.values.iter().map(|v| v[c].clone()).collect())
                 .collect();
             let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
                 .iter()
@@ -550,46 +464,81 @@ impl PgSource {
                 .collect();
             let rows = self.client.query(&sql, &params).await.map_err(src(format!(
                 "resolving roots of {}",
-                plan.nodes[node].qualified()
+                plan.nodes[g.node].qualified()
             )))?;
-            for r in rows {
-                let ord: i64 = r.get(0);
-                let key: String = r.get(1);
-                let key = RootKey::from_canonical(&key)
-                    .ok_or_else(|| Error::Decode(format!("bad root key from lookup: {key}")))?;
-                let p = items[(ord - 1) as usize];
-                slots[p.slot].3.push((pi, Op::Update, key));
-            }
+            let answers = rows
+                .iter()
+                .map(|r| {
+                    let key: String = r.get(1);
+                    RootKey::from_canonical(&key)
+                        .map(|k| (r.get::<_, i64>(0), k))
+                        .ok_or_else(|| Error::Decode(format!("bad root key from lookup: {key}")))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            res.answer(gi, answers)?;
         }
-        let mut out = vec![];
-        for (ti, seq, table, keys) in slots {
-            let tx = &batch.txs[ti];
-            let mut seen: Vec<(usize, Op, RootKey)> = vec![];
-            for (pi, op, key) in keys {
-                if key.has_null() || seen.contains(&(pi, op, key.clone())) {
-                    continue;
-                }
-                seen.push((pi, op, key.clone()));
-                out.push(ChangeRecord {
-                    entity: self.plans[pi].entity.clone(),
-                    root_key: key,
-                    table: table.clone(),
-                    op,
-                    position: ChangePosition {
-                        commit: tx.end_lsn,
-                        seq,
-                    },
-                    tx_id: u64::from(tx.xid),
-                    commit_time_micros: tx.commit_time_micros,
-                });
-            }
-        }
-        Ok(out)
+        let meta: Vec<TxMeta> = batch
+            .txs
+            .iter()
+            .map(|t| TxMeta {
+                position: t.end_lsn.into(),
+                tx_id: u64::from(t.xid),
+                commit_time_micros: t.commit_time_micros,
+            })
+            .collect();
+        Ok(res.finish(&self.plans, &meta))
     }
 
     /// The catalog read at connect time.
     pub fn catalog(&self) -> &Catalog {
         &self.catalog
+    }
+}
+
+impl ChangeSource for PgSource {
+    fn label(&self) -> String {
+        self.slot.clone()
+    }
+
+    async fn prepare(
+        &mut self,
+        marker: Option<SourcePosition>,
+        continue_with_data_loss: bool,
+    ) -> Result<StartPoint> {
+        let marker = crate::marker_in(marker, SourcePosition::pg)?;
+        self.prepare_slot(marker, continue_with_data_loss).await
+    }
+
+    async fn start(&mut self, from: SourcePosition) -> Result<()> {
+        self.start_stream(from.pg().map_err(|e| Error::Decode(e.to_string()))?)
+            .await
+    }
+
+    async fn next_batch(
+        &mut self,
+        lower: SourcePosition,
+        limits: BatchLimits,
+    ) -> Result<ReadBatch> {
+        let lower = lower.pg().map_err(|e| Error::Decode(e.to_string()))?;
+        let batch = self
+            .read_transactions(lower, limits.max_changes, limits.linger, limits.max_wait)
+            .await?;
+        if batch.upper <= lower {
+            return Ok(ReadBatch::default());
+        }
+        let records = self.resolve(&batch).await?;
+        Ok(ReadBatch {
+            upper: Some(batch.upper.into()),
+            transactions: batch.txs.len(),
+            changes: batch.change_count(),
+            records,
+        })
+    }
+
+    fn confirm(&mut self, upper: SourcePosition) {
+        if let SourcePosition::Pg(l) = upper {
+            self.confirm_lsn(l);
+        }
     }
 }
 

@@ -7,8 +7,10 @@
 //! * anything else (deeper children, joins to non-key columns) → a
 //!   [`Lookup`] that the source answers with one batched query per table.
 
+use std::collections::HashMap;
+
 use skein_common::config::TableNode;
-use skein_common::{Op, RootKey};
+use skein_common::{ChangePosition, ChangeRecord, Op, RootKey, SourcePosition};
 use skein_sql::postgres::direct_root_mapping;
 use skein_sql::Catalog;
 
@@ -70,7 +72,8 @@ fn take(img: &Image, cols: &[String], table: &str) -> Result<Vec<Option<String>>
             img.get(c).cloned().ok_or_else(|| {
                 Error::Decode(format!(
                     "the change of {table} does not carry column `{c}`: run `skein sql source` \
-                     and apply its REPLICA IDENTITY / publication statements"
+                     and apply what it prints (REPLICA IDENTITY and publication on PostgreSQL, \
+                     the capture instance's column list on SQL Server)"
                 ))
             })
         })
@@ -143,6 +146,176 @@ pub fn resolve(
             node,
             values: tuples,
         }),
+    }
+}
+
+/// One captured row change inside a transaction, before resolution.
+#[derive(Clone, Debug)]
+pub struct RawChange {
+    /// `(schema, table)`.
+    pub table: (String, String),
+    /// Operation on the row itself.
+    pub op: Op,
+    /// Before image, when sent.
+    pub old: Option<Image>,
+    /// After image, when sent.
+    pub new: Option<Image>,
+}
+
+/// What a change record says about its transaction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TxMeta {
+    /// Commit position.
+    pub position: SourcePosition,
+    /// Source transaction id.
+    pub tx_id: u64,
+    /// Commit time, microseconds since the Unix epoch.
+    pub commit_time_micros: i64,
+}
+
+/// Which (entity plan, node) pairs each tracked table feeds.
+pub type TableIndex = HashMap<(String, String), Vec<(usize, usize)>>;
+
+/// Builds the [`TableIndex`] of a set of plans.
+pub fn table_index(plans: &[EntityPlan]) -> TableIndex {
+    let mut by_table: TableIndex = HashMap::new();
+    for (pi, p) in plans.iter().enumerate() {
+        for n in p.nodes.iter().filter(|n| n.tracked) {
+            by_table
+                .entry((n.schema.clone(), n.table.clone()))
+                .or_default()
+                .push((pi, n.index));
+        }
+    }
+    by_table
+}
+
+/// Root keys the source must look up: one batched query per group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LookupGroup {
+    /// Entity plan.
+    pub plan: usize,
+    /// Node within the plan.
+    pub node: usize,
+    /// Join-column values, one tuple per lookup; an answer refers to a
+    /// tuple by its 1-based position here.
+    pub values: Vec<Vec<Option<String>>>,
+    slots: Vec<usize>,
+}
+
+/// One change being resolved: (transaction index, sequence, table,
+/// resolved (plan, op, key)s).
+type Slot = (usize, u32, String, Vec<(usize, Op, RootKey)>);
+
+/// A batch being resolved: what the images gave, and what waits for a
+/// lookup. Dialect-free: the source only runs the lookups.
+#[derive(Debug, Default)]
+pub struct BatchResolution {
+    slots: Vec<Slot>,
+    groups: Vec<LookupGroup>,
+}
+
+impl BatchResolution {
+    /// Resolves what the images allow. `txs` are the batch's transactions
+    /// in commit order, each its changes in order.
+    pub fn new<'a>(
+        plans: &[EntityPlan],
+        by_table: &TableIndex,
+        txs: impl IntoIterator<Item = &'a [RawChange]>,
+    ) -> Result<BatchResolution> {
+        let mut out = BatchResolution::default();
+        let mut group_of: HashMap<(usize, usize), usize> = HashMap::new();
+        for (ti, changes) in txs.into_iter().enumerate() {
+            // Counts the tracked changes of the transaction only.
+            let mut seq = 0u32;
+            for ch in changes {
+                let Some(targets) = by_table.get(&ch.table) else {
+                    continue;
+                };
+                for (pi, node) in targets {
+                    let res = resolve(&plans[*pi], *node, ch.op, ch.old.as_ref(), ch.new.as_ref())?;
+                    let slot = out.slots.len();
+                    let table = format!("{}.{}", ch.table.0, ch.table.1);
+                    match res {
+                        Resolved::Roots(keys) => out.slots.push((
+                            ti,
+                            seq,
+                            table,
+                            keys.into_iter().map(|(op, k)| (*pi, op, k)).collect(),
+                        )),
+                        Resolved::Lookup { node, values } => {
+                            out.slots.push((ti, seq, table, vec![]));
+                            let g = *group_of.entry((*pi, node)).or_insert_with(|| {
+                                out.groups.push(LookupGroup {
+                                    plan: *pi,
+                                    node,
+                                    values: vec![],
+                                    slots: vec![],
+                                });
+                                out.groups.len() - 1
+                            });
+                            for v in values {
+                                out.groups[g].values.push(v);
+                                out.groups[g].slots.push(slot);
+                            }
+                        }
+                    }
+                }
+                seq += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The lookups to run (children whose root is not in their columns).
+    pub fn lookups(&self) -> &[LookupGroup] {
+        &self.groups
+    }
+
+    /// Records the answer of lookup group `group`: `(ordinal, root key)`
+    /// rows, the ordinal 1-based into its `values`. Tuples without an
+    /// answer (the parent is gone) resolve to nothing.
+    pub fn answer(&mut self, group: usize, rows: Vec<(i64, RootKey)>) -> Result<()> {
+        let g = &self.groups[group];
+        let plan = g.plan;
+        for (ord, key) in rows {
+            let slot = usize::try_from(ord - 1)
+                .ok()
+                .and_then(|i| g.slots.get(i))
+                .copied()
+                .ok_or_else(|| Error::Decode(format!("root lookup answered unknown row {ord}")))?;
+            self.slots[slot].3.push((plan, Op::Update, key));
+        }
+        Ok(())
+    }
+
+    /// The change records, in source order; a key with a NULL column or a
+    /// repeat within one change is left out.
+    pub fn finish(self, plans: &[EntityPlan], txs: &[TxMeta]) -> Vec<ChangeRecord> {
+        let mut out = vec![];
+        for (ti, seq, table, keys) in self.slots {
+            let tx = &txs[ti];
+            let mut seen: Vec<(usize, Op, RootKey)> = vec![];
+            for (pi, op, key) in keys {
+                if key.has_null() || seen.contains(&(pi, op, key.clone())) {
+                    continue;
+                }
+                seen.push((pi, op, key.clone()));
+                out.push(ChangeRecord {
+                    entity: plans[pi].entity.clone(),
+                    root_key: key,
+                    table: table.clone(),
+                    op,
+                    position: ChangePosition {
+                        commit: tx.position,
+                        seq,
+                    },
+                    tx_id: tx.tx_id,
+                    commit_time_micros: tx.commit_time_micros,
+                });
+            }
+        }
+        out
     }
 }
 
@@ -245,6 +418,65 @@ entities:
         assert_eq!(
             resolve(&p, 1, Op::Insert, None, Some(&orphan)).unwrap(),
             Resolved::Roots(vec![])
+        );
+    }
+
+    #[test]
+    fn a_batch_resolves_in_source_order_with_lookups_answered() {
+        let p = vec![plan()];
+        let idx = table_index(&p);
+        let t = |n: &str| ("public".to_string(), n.to_string());
+        let tx1 = vec![
+            RawChange {
+                table: t("address_line"),
+                op: Op::Insert,
+                old: None,
+                new: Some(img(&[("address_id", Some("9")), ("line_no", Some("1"))])),
+            },
+            RawChange {
+                table: t("customer"),
+                op: Op::Update,
+                old: None,
+                new: Some(img(&[("id", Some("1"))])),
+            },
+            RawChange {
+                table: t("not_tracked"),
+                op: Op::Update,
+                old: None,
+                new: None,
+            },
+        ];
+        let tx2 = vec![RawChange {
+            table: t("address_line"),
+            op: Op::Delete,
+            old: Some(img(&[("address_id", Some("8")), ("line_no", Some("1"))])),
+            new: None,
+        }];
+        let mut r = BatchResolution::new(&p, &idx, [tx1.as_slice(), tx2.as_slice()]).unwrap();
+        assert_eq!(r.lookups().len(), 1);
+        assert_eq!(
+            r.lookups()[0].values,
+            vec![vec![Some("9".into())], vec![Some("8".into())]]
+        );
+        // Address 8 is gone: only the first tuple has an answer.
+        r.answer(0, vec![(1, key("5"))]).unwrap();
+        assert!(r.answer(0, vec![(3, key("5"))]).is_err());
+        let meta = |c: u64| TxMeta {
+            position: skein_common::PgLsn(c).into(),
+            tx_id: c,
+            commit_time_micros: 0,
+        };
+        let recs = r.finish(&p, &[meta(10), meta(20)]);
+        let got: Vec<(String, u32, RootKey)> = recs
+            .iter()
+            .map(|r| (r.table.clone(), r.position.seq, r.root_key.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("public.address_line".into(), 0, key("5")),
+                ("public.customer".into(), 1, key("1")),
+            ]
         );
     }
 

@@ -1,10 +1,35 @@
-//! SQL Server CDC, the parts that are pure logic: pairing the rows of
-//! `cdc.fn_cdc_get_all_changes_*` into changes, the LSN window of a batch
-//! and the validity-interval (data loss) check. The reader that runs the
-//! queries of `skein_sql::sqlserver` over TDS is not built yet.
+//! SQL Server CDC.
+//!
+//! Pure logic first — pairing the rows of `cdc.fn_cdc_get_all_changes_*`
+//! into changes, the LSN window of a batch, the validity-interval (data
+//! loss) check, the choice of capture instance — then [`MssqlSource`],
+//! which runs the queries of `skein_sql::sqlserver` over TDS.
+//!
+//! Reading: each batch asks `sys.fn_cdc_get_max_lsn()`, checks every
+//! capture instance's `sys.fn_cdc_get_min_lsn` against the marker, sizes
+//! the window `(lower, upper]` at an LSN boundary, reads each capture
+//! instance's changes in it with `N'all update old'` (the before image of
+//! an update carries the old join columns), merges them by
+//! `(__$start_lsn, __$seqval)` and resolves them to root keys. Nothing is
+//! held open between batches, and there is nothing to acknowledge to the
+//! server: CDC cleanup follows its own retention, which is why the
+//! validity check runs on every batch.
 
+use std::collections::HashMap;
+use std::time::Duration;
+
+use skein_common::config::Config;
+use skein_common::mssql::MssqlClient;
 use skein_common::position::SqlServerLsn;
 use skein_common::sqlvalue::SqlValue;
+use skein_common::{ChangeRecord, Op, RootKey, SourcePosition};
+use skein_sql::{Catalog, ColumnInfo, TableInfo};
+use tracing::warn;
+
+use crate::error::{Error, Result};
+use crate::pgoutput::Image;
+use crate::resolve::{BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
+use crate::{BatchLimits, ChangeSource, ReadBatch, StartPoint};
 
 /// One row of `fn_cdc_get_all_changes_<ci>(…, N'all update old')`.
 #[derive(Clone, Debug, PartialEq)]
@@ -165,6 +190,769 @@ pub fn next_window(
     skein_sql::sqlserver::cap_window(first_lsns, cap, max_lsn)
 }
 
+// ---------------------------------------------------------------------------
+// The reader: runs the queries of `skein_sql::sqlserver` over TDS.
+// ---------------------------------------------------------------------------
+
+/// The capture instance read for one tracked table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Instance {
+    /// Source schema.
+    pub schema: String,
+    /// Source table.
+    pub table: String,
+    /// Capture instance name.
+    pub name: String,
+    /// The key and join columns read from it, in query order.
+    pub columns: Vec<String>,
+}
+
+/// Picks the capture instance of a table: the configured one, or the
+/// newest (`found` is newest first). Returns the name and, when the table
+/// has more than one and none is configured, a warning.
+pub fn choose_instance(
+    qualified: &str,
+    configured: Option<&str>,
+    found: &[String],
+) -> std::result::Result<(String, Option<String>), String> {
+    match configured {
+        Some(name) if found.iter().any(|f| f == name) => Ok((name.to_string(), None)),
+        Some(name) => Err(format!(
+            "capture instance `{name}` configured for {qualified} does not exist (found: {})",
+            if found.is_empty() {
+                "none".to_string()
+            } else {
+                found.join(", ")
+            }
+        )),
+        None => match found {
+            [] => Err(format!("{qualified} has no CDC capture instance")),
+            [only] => Ok((only.clone(), None)),
+            [newest, ..] => Ok((
+                newest.clone(),
+                Some(format!(
+                    "{qualified} has {} capture instances ({}): reading the newest, `{newest}`. \
+                     Set source.capture_instances.\"{qualified}\" to choose, and drop the old \
+                     one when the schema change is done",
+                    found.len(),
+                    found.join(", ")
+                )),
+            )),
+        },
+    }
+}
+
+/// The SQL Server change source.
+pub struct MssqlSource {
+    client: MssqlClient,
+    catalog: Catalog,
+    plans: Vec<EntityPlan>,
+    by_table: TableIndex,
+    tracked: Vec<(String, String, Vec<String>)>,
+    configured: std::collections::BTreeMap<String, String>,
+    instances: Vec<Instance>,
+    poll: Duration,
+    database: String,
+    fix: String,
+}
+
+fn lsn_of(v: &SqlValue, what: &str) -> Result<SqlServerLsn> {
+    match v {
+        SqlValue::Binary(b) => {
+            SqlServerLsn::from_slice(b).map_err(|e| Error::Decode(format!("{what}: {e}")))
+        }
+        SqlValue::Null => Ok(SqlServerLsn::ZERO),
+        other => Err(Error::Decode(format!(
+            "{what}: expected binary(10), got {other:?}"
+        ))),
+    }
+}
+
+fn int_of(v: &SqlValue, what: &str) -> Result<i64> {
+    match v {
+        SqlValue::Int(i) => Ok(*i),
+        other => Err(Error::Decode(format!(
+            "{what}: expected an integer, got {other:?}"
+        ))),
+    }
+}
+
+/// Reads the catalog of every table the entities name; a missing table is
+/// left out (the catalog check names it).
+pub async fn load_catalog(client: &mut MssqlClient, cfg: &Config) -> Result<Catalog> {
+    let mut cat = Catalog::default();
+    let mut seen = std::collections::BTreeSet::new();
+    for e in &cfg.entities {
+        for n in e.nodes() {
+            if !seen.insert((n.schema.clone(), n.table.clone())) {
+                continue;
+            }
+            let rows = client
+                .query(
+                    &format!("reading the columns of {}", n.qualified()),
+                    skein_sql::sqlserver::CATALOG_SQL,
+                    &[&n.schema.as_str(), &n.table.as_str()],
+                )
+                .await?;
+            if rows.is_empty() {
+                continue;
+            }
+            let mut pk: Vec<(i64, String)> = vec![];
+            let mut columns = vec![];
+            for r in rows {
+                let text = |i: usize| r.get(i).and_then(SqlValue::to_text).unwrap_or_default();
+                let name = text(0);
+                if let Some(SqlValue::Int(k)) = r.get(4) {
+                    pk.push((*k, name.clone()));
+                }
+                columns.push(ColumnInfo {
+                    name,
+                    type_name: text(1),
+                    data_type: text(2),
+                    nullable: matches!(r.get(3), Some(SqlValue::Bit(true))),
+                });
+            }
+            pk.sort();
+            cat.insert(TableInfo {
+                schema: n.schema.clone(),
+                table: n.table.clone(),
+                columns,
+                primary_key: pk.into_iter().map(|(_, c)| c).collect(),
+                replica_identity: 'd',
+            });
+        }
+    }
+    Ok(cat)
+}
+
+/// Event columns of types the reader does not decode.
+pub fn unsupported_columns(cfg: &Config, catalog: &Catalog) -> Vec<String> {
+    let mut out = vec![];
+    for e in &cfg.entities {
+        for n in e.nodes() {
+            for c in catalog.event_columns(&n) {
+                if skein_sql::sqlserver::UNSUPPORTED_TYPES.contains(&c.type_name.as_str()) {
+                    out.push(format!("{}.{} ({})", n.qualified(), c.name, c.type_name));
+                }
+            }
+        }
+    }
+    out
+}
+
+impl MssqlSource {
+    /// Connects, reads the catalog and builds the resolution plans.
+    pub async fn connect(cfg: &Config) -> Result<MssqlSource> {
+        let mut client = MssqlClient::connect(cfg.source.url.expose()).await?;
+        let catalog = load_catalog(&mut client, cfg).await?;
+        let (plans, by_table) = crate::plans_for(cfg, &catalog)?;
+        let unsupported = unsupported_columns(cfg, &catalog);
+        if !unsupported.is_empty() {
+            return Err(Error::NotReady {
+                message: format!(
+                    "columns of types skein does not decode: {}",
+                    unsupported.join(", ")
+                ),
+                fix: "leave them out with `exclude_columns` (or `include_columns`)".into(),
+            });
+        }
+        let tracked = skein_sql::postgres::tracked_tables(cfg, &catalog)
+            .into_iter()
+            .map(|t| (t.schema, t.table, t.columns.into_iter().collect()))
+            .collect();
+        let database = client
+            .query("reading the database name", "SELECT DB_NAME()", &[])
+            .await?
+            .first()
+            .and_then(|r| r.first())
+            .and_then(SqlValue::to_text)
+            .unwrap_or_default();
+        Ok(MssqlSource {
+            fix: skein_sql::sqlserver::source_ddl(cfg, &catalog),
+            client,
+            catalog,
+            plans,
+            by_table,
+            tracked,
+            configured: cfg.source.capture_instances.clone(),
+            instances: vec![],
+            poll: Duration::from_millis(cfg.source.poll_interval_ms),
+            database,
+        })
+    }
+
+    /// The catalog read at connect time.
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
+    /// The capture instances chosen by [`ChangeSource::prepare`].
+    pub fn instances(&self) -> &[Instance] {
+        &self.instances
+    }
+
+    fn not_ready(&self, message: String) -> Error {
+        Error::NotReady {
+            message,
+            fix: format!(
+                "run the output of `skein sql source` against the source database:\n{}",
+                self.fix
+            ),
+        }
+    }
+
+    /// CDC on the database, a capture instance per tracked table holding
+    /// the needed columns, the capture job and the agent.
+    async fn check_cdc(&mut self) -> Result<()> {
+        let enabled = self
+            .client
+            .query("checking CDC", skein_sql::sqlserver::CDC_ENABLED_SQL, &[])
+            .await?;
+        if !matches!(
+            enabled.first().and_then(|r| r.first()),
+            Some(SqlValue::Int(1))
+        ) {
+            return Err(self.not_ready(format!(
+                "CDC is not enabled on database `{}`",
+                self.database
+            )));
+        }
+        let mut instances = vec![];
+        for (schema, table, columns) in self.tracked.clone() {
+            let qualified = format!("{schema}.{table}");
+            let found: Vec<String> = self
+                .client
+                .query(
+                    &format!("listing the capture instances of {qualified}"),
+                    skein_sql::sqlserver::CAPTURE_INSTANCES_SQL,
+                    &[&schema.as_str(), &table.as_str()],
+                )
+                .await?
+                .iter()
+                .filter_map(|r| r.first().and_then(SqlValue::to_text))
+                .collect();
+            let (name, warning) = choose_instance(
+                &qualified,
+                self.configured.get(&qualified).map(String::as_str),
+                &found,
+            )
+            .map_err(|m| self.not_ready(m))?;
+            if let Some(w) = warning {
+                warn!("{w}");
+            }
+            let captured: Vec<String> = self
+                .client
+                .query(
+                    &format!("reading the columns of capture instance {name}"),
+                    skein_sql::sqlserver::CAPTURED_COLUMNS_SQL,
+                    &[&name.as_str()],
+                )
+                .await?
+                .iter()
+                .filter_map(|r| r.first().and_then(SqlValue::to_text))
+                .collect();
+            let missing: Vec<&String> = columns.iter().filter(|c| !captured.contains(c)).collect();
+            if !missing.is_empty() {
+                return Err(Error::NotReady {
+                    message: format!(
+                        "capture instance `{name}` of {qualified} does not capture {}",
+                        missing
+                            .iter()
+                            .map(|c| format!("`{c}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    fix: format!(
+                        "create a second capture instance with the key and join columns, e.g.\n\
+                         EXEC sys.sp_cdc_enable_table @source_schema = {}, @source_name = {}, \
+                         @role_name = NULL, @capture_instance = {}, @supports_net_changes = 0, \
+                         @captured_column_list = {};\n\
+                         then set source.capture_instances.\"{qualified}\" to it",
+                        skein_sql::sqlserver::ql(&schema),
+                        skein_sql::sqlserver::ql(&table),
+                        skein_sql::sqlserver::ql(&format!("{name}_skein")),
+                        skein_sql::sqlserver::ql(
+                            &columns
+                                .iter()
+                                .map(|c| skein_sql::sqlserver::qi(c))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    ),
+                });
+            }
+            instances.push(Instance {
+                schema,
+                table,
+                name,
+                columns,
+            });
+        }
+        self.instances = instances;
+        // The capture job and the agent: reported when visible; without the
+        // permission to look, a warning.
+        match self
+            .client
+            .query(
+                "checking the CDC capture job",
+                skein_sql::sqlserver::CAPTURE_JOB_SQL,
+                &[],
+            )
+            .await
+        {
+            Ok(rows) if matches!(rows.first().and_then(|r| r.first()), Some(SqlValue::Int(0))) => {
+                return Err(Error::NotReady {
+                    message: format!("database `{}` has no CDC capture job", self.database),
+                    fix: skein_sql::sqlserver::fix_capture_job().into(),
+                });
+            }
+            Ok(_) => {}
+            Err(e) => {
+                warn!(error = %e, "cannot check the CDC capture job (needs read access to msdb)")
+            }
+        }
+        match self
+            .client
+            .query(
+                "checking SQL Server Agent",
+                skein_sql::sqlserver::AGENT_STATUS_SQL,
+                &[],
+            )
+            .await
+        {
+            Ok(rows) => {
+                if let Some(state) = rows
+                    .first()
+                    .and_then(|r| r.first())
+                    .and_then(SqlValue::to_text)
+                {
+                    if state != "Running" {
+                        return Err(Error::NotReady {
+                            message: format!(
+                                "SQL Server Agent is `{state}`: CDC captures nothing without it"
+                            ),
+                            fix: "start SQL Server Agent (containers: MSSQL_AGENT_ENABLED=true)"
+                                .into(),
+                        });
+                    }
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot check SQL Server Agent (needs VIEW SERVER STATE)"),
+        }
+        match self
+            .client
+            .query(
+                "checking capture errors",
+                skein_sql::sqlserver::LOG_SCAN_ERRORS_SQL,
+                &[],
+            )
+            .await
+        {
+            Ok(rows) if !rows.is_empty() => warn!(
+                "the CDC capture job reported errors (sys.dm_cdc_log_scan_sessions); \
+                 see sys.dm_cdc_errors"
+            ),
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "cannot read sys.dm_cdc_log_scan_sessions"),
+        }
+        Ok(())
+    }
+
+    /// What `skein validate` checks: CDC on the database, the capture
+    /// instances and their columns, the capture job and the agent, and that
+    /// every capture instance is readable.
+    pub async fn check(&mut self) -> Result<()> {
+        self.check_cdc().await?;
+        self.min_lsns().await.map(|_| ())
+    }
+
+    /// The highest LSN CDC has written (`skein marker reset --latest`).
+    pub async fn current_max_lsn(&mut self) -> Result<SqlServerLsn> {
+        self.max_lsn().await
+    }
+
+    async fn min_lsns(&mut self) -> Result<Vec<(String, SqlServerLsn)>> {
+        let mut out = vec![];
+        for i in self.instances.clone() {
+            let rows = self
+                .client
+                .query(
+                    &format!("reading the validity interval of {}", i.name),
+                    skein_sql::sqlserver::MIN_LSN_SQL,
+                    &[&i.name.as_str()],
+                )
+                .await?;
+            let min = lsn_of(
+                rows.first()
+                    .and_then(|r| r.first())
+                    .unwrap_or(&SqlValue::Null),
+                "min LSN",
+            )?;
+            if min == SqlServerLsn::ZERO {
+                return Err(self.not_ready(format!(
+                    "capture instance `{}` is not readable (sys.fn_cdc_get_min_lsn returned 0): \
+                     it does not exist or the login may not read it",
+                    i.name
+                )));
+            }
+            out.push((i.name, min));
+        }
+        Ok(out)
+    }
+
+    async fn max_lsn(&mut self) -> Result<SqlServerLsn> {
+        let rows = self
+            .client
+            .query(
+                "reading the max LSN",
+                skein_sql::sqlserver::MAX_LSN_SQL,
+                &[],
+            )
+            .await?;
+        lsn_of(
+            rows.first()
+                .and_then(|r| r.first())
+                .unwrap_or(&SqlValue::Null),
+            "max LSN",
+        )
+    }
+
+    /// Reads the changes of `[from, upper]` of every instance (each from
+    /// `froms[i]`), paired and merged in commit, then change order, with
+    /// their instance index.
+    async fn read_changes(
+        &mut self,
+        froms: &[SqlServerLsn],
+        upper: SqlServerLsn,
+    ) -> Result<Vec<(usize, CdcChange)>> {
+        let mut all = vec![];
+        for (ii, inst) in self.instances.clone().iter().enumerate() {
+            let from = froms[ii];
+            if from > upper {
+                continue;
+            }
+            let sql = skein_sql::sqlserver::changes_sql(&inst.name, &inst.columns);
+            let rows = self
+                .client
+                .query(
+                    &format!("reading the changes of {}", inst.name),
+                    &sql,
+                    &[&from.0.to_vec(), &upper.0.to_vec()],
+                )
+                .await?;
+            let mut cdc = Vec::with_capacity(rows.len());
+            for mut r in rows {
+                if r.len() < 3 {
+                    return Err(Error::Decode(format!(
+                        "short change row from {}",
+                        inst.name
+                    )));
+                }
+                let values = r.split_off(3);
+                cdc.push(CdcRow {
+                    start_lsn: lsn_of(&r[0], "__$start_lsn")?,
+                    seqval: lsn_of(&r[1], "__$seqval")?,
+                    operation: i32::try_from(int_of(&r[2], "__$operation")?)
+                        .map_err(|_| Error::Decode("__$operation out of range".into()))?,
+                    values,
+                });
+            }
+            let changes = pair(cdc).map_err(|e| Error::Decode(format!("{}: {e}", inst.name)))?;
+            all.extend(changes.into_iter().map(|c| (ii, c)));
+        }
+        // Stable: changes of one instance keep their order on equal keys.
+        all.sort_by_key(|a| (a.1.start_lsn, a.1.seqval));
+        Ok(all)
+    }
+
+    async fn commit_times(
+        &mut self,
+        from: SqlServerLsn,
+        upper: SqlServerLsn,
+    ) -> Result<HashMap<SqlServerLsn, (i64, u64)>> {
+        let rows = self
+            .client
+            .query(
+                "reading commit times",
+                skein_sql::sqlserver::LSN_TIME_SQL,
+                &[&from.0.to_vec(), &upper.0.to_vec()],
+            )
+            .await?;
+        let mut out = HashMap::new();
+        for r in rows {
+            let lsn = lsn_of(r.first().unwrap_or(&SqlValue::Null), "start_lsn")?;
+            let micros = r
+                .get(1)
+                .map(|v| int_of(v, "tran_end_time"))
+                .transpose()?
+                .unwrap_or(0);
+            let tx_id = match r.get(2) {
+                Some(SqlValue::Binary(b)) => tx_id_of(b),
+                _ => 0,
+            };
+            out.insert(lsn, (micros, tx_id));
+        }
+        Ok(out)
+    }
+
+    async fn resolve(
+        &mut self,
+        txs: &[(SqlServerLsn, Vec<RawChange>)],
+        times: &HashMap<SqlServerLsn, (i64, u64)>,
+    ) -> Result<Vec<ChangeRecord>> {
+        let mut res = BatchResolution::new(
+            &self.plans,
+            &self.by_table,
+            txs.iter().map(|(_, c)| c.as_slice()),
+        )?;
+        for gi in 0..res.lookups().len() {
+            let g = res.lookups()[gi].clone();
+            let plan = &self.plans[g.plan];
+            let node = &plan.nodes[g.node];
+            let width = node.on.len();
+            let what = format!("resolving roots of {}", node.qualified());
+            let lookup = skein_sql::sqlserver::lookup_sql(&plan.nodes, g.node, &self.catalog);
+            self.client
+                .batch(&what, &skein_sql::sqlserver::lookup_table_sql(width))
+                .await?;
+            self.client
+                .insert_tuples(
+                    &what,
+                    &g.values,
+                    skein_sql::sqlserver::keys_per_insert(width),
+                    |rows| {
+                        skein_sql::sqlserver::temp_insert_sql(
+                            skein_sql::sqlserver::LOOKUP_TABLE,
+                            width,
+                            rows,
+                        )
+                    },
+                )
+                .await?;
+            let rows = self.client.query(&what, &lookup, &[]).await?;
+            let answers = rows
+                .iter()
+                .map(|r| {
+                    let ord = int_of(r.first().unwrap_or(&SqlValue::Null), "ord")?;
+                    Ok((ord, RootKey(r[1..].iter().map(SqlValue::to_text).collect())))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            res.answer(gi, answers)?;
+        }
+        let meta: Vec<TxMeta> = txs
+            .iter()
+            .map(|(lsn, _)| {
+                let (micros, tx_id) = times.get(lsn).copied().unwrap_or((0, 0));
+                TxMeta {
+                    position: (*lsn).into(),
+                    tx_id,
+                    commit_time_micros: micros,
+                }
+            })
+            .collect();
+        Ok(res.finish(&self.plans, &meta))
+    }
+}
+
+/// Where each capture instance is read from: the marker's successor, or the
+/// instance's own minimum when that is later (an instance created after
+/// the marker; `cdc.fn_cdc_get_all_changes_*` refuses a start before its
+/// minimum). `mins` is in instance order.
+pub fn instance_starts(from: SqlServerLsn, mins: &[(String, SqlServerLsn)]) -> Vec<SqlServerLsn> {
+    mins.iter().map(|(_, m)| from.max(*m)).collect()
+}
+
+/// The low 8 bytes of `tran_id` (binary(10)), as the record's transaction id.
+pub fn tx_id_of(tran_id: &[u8]) -> u64 {
+    tran_id
+        .iter()
+        .rev()
+        .take(8)
+        .rev()
+        .fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
+}
+
+/// Turns one paired change into the images resolution reads (column texts).
+pub fn raw_change(inst: &Instance, c: &CdcChange) -> RawChange {
+    let image = |vals: &Option<Vec<SqlValue>>| -> Option<Image> {
+        vals.as_ref().map(|v| {
+            inst.columns
+                .iter()
+                .cloned()
+                .zip(v.iter().map(SqlValue::to_text))
+                .collect()
+        })
+    };
+    RawChange {
+        table: (inst.schema.clone(), inst.table.clone()),
+        op: match c.op {
+            CdcOp::Insert => Op::Insert,
+            CdcOp::Update => Op::Update,
+            CdcOp::Delete => Op::Delete,
+        },
+        old: image(&c.before),
+        new: image(&c.after),
+    }
+}
+
+/// Groups merged changes into transactions by commit LSN.
+pub fn transactions(
+    instances: &[Instance],
+    changes: &[(usize, CdcChange)],
+) -> Vec<(SqlServerLsn, Vec<RawChange>)> {
+    let mut out: Vec<(SqlServerLsn, Vec<RawChange>)> = vec![];
+    for (ii, c) in changes {
+        let raw = raw_change(&instances[*ii], c);
+        match out.last_mut() {
+            Some((lsn, v)) if *lsn == c.start_lsn => v.push(raw),
+            _ => out.push((c.start_lsn, vec![raw])),
+        }
+    }
+    out
+}
+
+impl ChangeSource for MssqlSource {
+    fn label(&self) -> String {
+        self.database.clone()
+    }
+
+    async fn prepare(
+        &mut self,
+        marker: Option<SourcePosition>,
+        continue_with_data_loss: bool,
+    ) -> Result<StartPoint> {
+        let marker = crate::marker_in(marker, SourcePosition::sqlserver)?;
+        self.check_cdc().await?;
+        let mins = self.min_lsns().await?;
+        let Some(m) = marker else {
+            // First start: everything the capture instances still hold.
+            let first = mins
+                .iter()
+                .map(|(_, l)| *l)
+                .min()
+                .unwrap_or(SqlServerLsn::ZERO);
+            return Ok(StartPoint {
+                position: first.decrement().into(),
+                data_loss: false,
+            });
+        };
+        match check_validity(m, &mins) {
+            Ok(()) => Ok(StartPoint {
+                position: m.into(),
+                data_loss: false,
+            }),
+            Err(loss) if continue_with_data_loss => {
+                let from = mins.iter().map(|(_, l)| *l).max().unwrap_or(loss.min_lsn);
+                warn!(error = %loss, "continuing with data loss");
+                Ok(StartPoint {
+                    position: from.decrement().into(),
+                    data_loss: true,
+                })
+            }
+            Err(loss) => Err(Error::DataLoss {
+                marker: loss.marker.to_string(),
+                available: format!(
+                    "{} (capture instance {}; CDC cleanup removed the rest)",
+                    loss.min_lsn, loss.capture_instance
+                ),
+            }),
+        }
+    }
+
+    async fn start(&mut self, _from: SourcePosition) -> Result<()> {
+        // Nothing is held open between batches: each one is a set of queries.
+        Ok(())
+    }
+
+    async fn next_batch(
+        &mut self,
+        lower: SourcePosition,
+        limits: BatchLimits,
+    ) -> Result<ReadBatch> {
+        let lower = lower
+            .sqlserver()
+            .map_err(|e| Error::Decode(e.to_string()))?;
+        let deadline = tokio::time::Instant::now() + limits.max_wait.max(self.poll);
+        let max = loop {
+            let max = self.max_lsn().await?;
+            if max > lower {
+                break max;
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(ReadBatch::default());
+            }
+            tokio::time::sleep(self.poll.min(deadline - now)).await;
+        };
+        // Cleanup may have run since the last batch.
+        let mins = self.min_lsns().await?;
+        if let Err(loss) = check_validity(lower, &mins) {
+            return Err(Error::DataLoss {
+                marker: loss.marker.to_string(),
+                available: format!(
+                    "{} (capture instance {}; CDC cleanup removed the rest while skein ran)",
+                    loss.min_lsn, loss.capture_instance
+                ),
+            });
+        }
+        let from = lower.increment();
+        let froms = instance_starts(from, &mins);
+        // Instances with nothing up to `max` stay out of the window query.
+        let (names, starts): (Vec<String>, Vec<Vec<u8>>) = self
+            .instances
+            .iter()
+            .zip(&froms)
+            .filter(|(_, f)| **f <= max)
+            .map(|(i, f)| (i.name.clone(), f.0.to_vec()))
+            .unzip();
+        if names.is_empty() {
+            return Ok(ReadBatch {
+                upper: Some(max.into()),
+                ..ReadBatch::default()
+            });
+        }
+        let cap = i32::try_from(limits.max_changes.max(1)).unwrap_or(i32::MAX - 1);
+        let max_bytes = max.0.to_vec();
+        let mut params: Vec<&dyn tiberius::ToSql> = vec![&max_bytes, &cap];
+        for s in &starts {
+            params.push(s);
+        }
+        let lsns: Vec<SqlServerLsn> = self
+            .client
+            .query(
+                "sizing the batch",
+                &skein_sql::sqlserver::window_sql(&names),
+                &params,
+            )
+            .await?
+            .iter()
+            .map(|r| lsn_of(r.first().unwrap_or(&SqlValue::Null), "window LSN"))
+            .collect::<Result<_>>()?;
+        let Some(upper) = next_window(lower, max, &lsns, limits.max_changes) else {
+            // Nothing for tracked tables up to `max`: move past it.
+            return Ok(ReadBatch {
+                upper: Some(max.into()),
+                ..ReadBatch::default()
+            });
+        };
+        let changes = self.read_changes(&froms, upper).await?;
+        let txs = transactions(&self.instances, &changes);
+        let times = self.commit_times(from, upper).await?;
+        let records = self.resolve(&txs, &times).await?;
+        Ok(ReadBatch {
+            upper: Some(upper.into()),
+            transactions: txs.len(),
+            changes: changes.len(),
+            records,
+        })
+    }
+
+    fn confirm(&mut self, _upper: SourcePosition) {
+        // CDC keeps changes for its retention period whatever skein read;
+        // the validity check catches what cleanup removed.
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,5 +1071,74 @@ mod tests {
         let e = check_validity(marker, &[("dbo_t".into(), src.min)]).unwrap_err();
         assert_eq!(e.min_lsn, lsn(13));
         assert!(e.to_string().contains("continue_with_data_loss"), "{e}");
+    }
+    #[test]
+    fn the_configured_or_newest_capture_instance_is_read() {
+        let found = vec!["dbo_customer_v2".to_string(), "dbo_customer".to_string()];
+        let (name, warning) = choose_instance("dbo.customer", None, &found).unwrap();
+        assert_eq!(name, "dbo_customer_v2");
+        assert!(warning.unwrap().contains("2 capture instances"));
+        let (name, warning) =
+            choose_instance("dbo.customer", Some("dbo_customer"), &found).unwrap();
+        assert_eq!((name.as_str(), warning), ("dbo_customer", None));
+        let e = choose_instance("dbo.customer", Some("nope"), &found).unwrap_err();
+        assert!(e.contains("`nope`") && e.contains("dbo_customer_v2"), "{e}");
+        assert!(choose_instance("dbo.customer", None, &[])
+            .unwrap_err()
+            .contains("no CDC capture instance"));
+        assert_eq!(
+            choose_instance("dbo.customer", None, &found[1..]).unwrap(),
+            ("dbo_customer".to_string(), None)
+        );
+    }
+
+    #[test]
+    fn changes_become_images_grouped_by_transaction() {
+        let inst = |t: &str| Instance {
+            schema: "dbo".into(),
+            table: t.into(),
+            name: format!("dbo_{t}"),
+            columns: vec!["id".into(), "customer_id".into()],
+        };
+        let instances = vec![inst("customer"), inst("address")];
+        let ch = |l: u64, seq: u64, op, before: Option<i64>, after: Option<i64>| CdcChange {
+            start_lsn: lsn(l),
+            seqval: lsn(seq),
+            op,
+            before: before.map(|v| vec![SqlValue::Int(v), SqlValue::Int(1)]),
+            after: after.map(|v| vec![SqlValue::Int(v), SqlValue::Null]),
+        };
+        let merged = vec![
+            (0, ch(10, 1, CdcOp::Insert, None, Some(1))),
+            (1, ch(10, 2, CdcOp::Update, Some(7), Some(7))),
+            (1, ch(11, 1, CdcOp::Delete, Some(8), None)),
+        ];
+        let txs = transactions(&instances, &merged);
+        assert_eq!(txs.len(), 2);
+        assert_eq!(txs[0].0, lsn(10));
+        assert_eq!(txs[0].1.len(), 2);
+        let upd = &txs[0].1[1];
+        assert_eq!(upd.table, ("dbo".to_string(), "address".to_string()));
+        assert_eq!(upd.op, Op::Update);
+        let old = upd.old.as_ref().unwrap();
+        assert_eq!(old["customer_id"].as_deref(), Some("1"));
+        // NULL stays NULL (it joins to no parent).
+        assert_eq!(upd.new.as_ref().unwrap()["customer_id"], None);
+        assert_eq!(txs[1].1[0].op, Op::Delete);
+        assert!(txs[1].1[0].new.is_none());
+    }
+
+    #[test]
+    fn each_instance_starts_at_its_own_minimum_when_later() {
+        let mins = vec![("a".to_string(), lsn(5)), ("b".to_string(), lsn(40))];
+        assert_eq!(instance_starts(lsn(10), &mins), vec![lsn(10), lsn(40)]);
+        assert_eq!(instance_starts(lsn(50), &mins), vec![lsn(50), lsn(50)]);
+    }
+
+    #[test]
+    fn transaction_ids_take_the_low_eight_bytes() {
+        assert_eq!(tx_id_of(&[0, 0, 0, 0, 0, 0, 0, 0, 0x01, 0x02]), 0x0102);
+        assert_eq!(tx_id_of(&[0xFF, 0xFF, 0, 0, 0, 0, 0, 0, 0, 1]), 1);
+        assert_eq!(tx_id_of(&[]), 0);
     }
 }

@@ -10,7 +10,7 @@ use crate::catalog::{Catalog, ColumnInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
-pub const SIDECAR_SCHEMA_VERSION: i32 = 2;
+pub const SIDECAR_SCHEMA_VERSION: i32 = 3;
 
 /// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
@@ -238,6 +238,7 @@ pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
 /// `skein sql sidecar` for PostgreSQL. Idempotent; applied by `skein sidecar migrate`.
 pub fn sidecar_ddl(schema: &str) -> String {
     let s = qi(schema);
+    let lit = ql(schema);
     format!(
         r#"-- skein sidecar schema, version {v}.
 CREATE SCHEMA IF NOT EXISTS {s};
@@ -250,18 +251,20 @@ CREATE TABLE IF NOT EXISTS {s}."schema_version" (
 -- The exactly-once recovery marker: the last source position (in-process) or
 -- the next Kafka offset each partition consumes, plus the last source change
 -- applied (re-sent records at or before it are dropped). Moves only inside the
--- batch transaction.
+-- batch transaction. Source positions are numbers that order like the source
+-- (80 bits for a SQL Server LSN, hence numeric); source_commit is the display
+-- form (0/16B3748 or 0x0000002A000001F00003).
 CREATE TABLE IF NOT EXISTS {s}."progress" (
   "group_name"    text        NOT NULL,
   "topic"         text        NOT NULL,
   "partition"     integer     NOT NULL,
-  "position"      bigint      NOT NULL,
-  "source_commit" bigint,
+  "position"      numeric(25,0) NOT NULL,
+  "source_commit" text,
   "source_seq"    bigint,
   "updated_at"    timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY ("group_name", "topic", "partition")
 );
-ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_commit" bigint;
+ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_commit" text;
 ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
 
 CREATE TABLE IF NOT EXISTS {s}."batch" (
@@ -270,8 +273,8 @@ CREATE TABLE IF NOT EXISTS {s}."batch" (
   "group_name"     text        NOT NULL,
   "topic"          text        NOT NULL,
   "partition"      integer     NOT NULL,
-  "lower_position" bigint      NOT NULL,
-  "upper_position" bigint      NOT NULL,
+  "lower_position" numeric(25,0) NOT NULL,
+  "upper_position" numeric(25,0) NOT NULL,
   "record_count"   integer     NOT NULL,
   "entity_count"   integer     NOT NULL,
   "event_count"    integer     NOT NULL,
@@ -281,6 +284,22 @@ CREATE TABLE IF NOT EXISTS {s}."batch" (
 );
 -- Undecodable records sent to the dead-letter topic by this batch.
 ALTER TABLE {s}."batch" ADD COLUMN IF NOT EXISTS "dead_letters" integer NOT NULL DEFAULT 0;
+
+-- Version 3: positions wide enough for SQL Server LSNs. A version 2 sidecar
+-- held PostgreSQL LSNs in bigint; they keep their value and order.
+DO $$
+BEGIN
+  IF (SELECT data_type FROM information_schema.columns WHERE table_schema = {lit}
+      AND table_name = 'progress' AND column_name = 'source_commit') = 'bigint' THEN
+    ALTER TABLE {s}."progress"
+      ALTER COLUMN "position" TYPE numeric(25,0),
+      ALTER COLUMN "source_commit" TYPE text
+        USING upper(to_hex("source_commit" >> 32)) || '/' || upper(to_hex("source_commit" & 4294967295));
+    ALTER TABLE {s}."batch"
+      ALTER COLUMN "lower_position" TYPE numeric(25,0),
+      ALTER COLUMN "upper_position" TYPE numeric(25,0);
+  END IF;
+END $$;
 
 CREATE TABLE IF NOT EXISTS {s}."version" (
   "entity"     text        NOT NULL,
@@ -597,6 +616,22 @@ pub fn resolve_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
         qi(&parent.table),
         conds.join(" AND ")
     );
+    sql.push_str(&parent_chain_joins(nodes, &up, qi));
+    let _ = write!(sql, "ORDER BY k.ord");
+    sql
+}
+
+/// The joins from a node's parent up to the root for root lookups: `u0` is
+/// the parent (joined by the caller), `u1` its parent, … the root last.
+/// `up` lists node indices from the parent upwards; `quote` quotes
+/// identifiers in the dialect.
+pub(crate) fn parent_chain_joins(
+    nodes: &[TableNode],
+    up: &[usize],
+    quote: fn(&str) -> String,
+) -> String {
+    let alias = |i: usize| format!("u{i}");
+    let mut sql = String::new();
     for i in 1..up.len() {
         let child = &nodes[up[i - 1]];
         let n = &nodes[up[i]];
@@ -607,22 +642,21 @@ pub fn resolve_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
                 format!(
                     "{}.{} = {}.{}",
                     alias(i - 1),
-                    qi(&o.name),
+                    quote(&o.name),
                     alias(i),
-                    qi(&o.to_column)
+                    quote(&o.to_column)
                 )
             })
             .collect();
         let _ = writeln!(
             sql,
             "JOIN {}.{} {} ON {}",
-            qi(&n.schema),
-            qi(&n.table),
+            quote(&n.schema),
+            quote(&n.table),
             alias(i),
             conds.join(" AND ")
         );
     }
-    let _ = write!(sql, "ORDER BY k.ord");
     sql
 }
 

@@ -1,6 +1,7 @@
-//! SQL Server dialect (T-SQL): CDC enablement, the change and LSN queries,
-//! hydration and the sidecar DDL. Pure text, pinned by golden files; what
-//! reads SQL Server (tiberius) is not built yet.
+//! SQL Server dialect (T-SQL): CDC enablement, the catalog and CDC health
+//! checks, the change and LSN queries, root lookups, hydration and the
+//! sidecar DDL. Pure text, pinned by golden files; the extractor and the
+//! applier run it over TDS (tiberius).
 //!
 //! Choices:
 //! * Changes come from `cdc.fn_cdc_get_all_changes_<capture_instance>` with
@@ -17,7 +18,9 @@ use std::fmt::Write as _;
 use skein_common::config::{Config, TableNode};
 
 use crate::catalog::{Catalog, ColumnInfo};
-use crate::postgres::{path_joins_and_order, path_to, referenced_columns, tracked_tables};
+use crate::postgres::{
+    parent_chain_joins, path_joins_and_order, path_to, referenced_columns, tracked_tables,
+};
 
 /// Sidecar schema version written by [`sidecar_ddl`] (same tables as PostgreSQL's).
 pub const SIDECAR_SCHEMA_VERSION: i32 = crate::postgres::SIDECAR_SCHEMA_VERSION;
@@ -91,6 +94,70 @@ JOIN sys.schemas sc ON sc.schema_id = tb.schema_id \
 WHERE sc.name = @P1 AND tb.name = @P2 \
 ORDER BY ct.create_date DESC";
 
+/// The columns of one table (`@P1` schema, `@P2` table) in table order:
+/// `column, type_name, data_type, is_nullable, pk_ordinal`. `data_type` is
+/// the full type (`decimal(10,2)`, `nvarchar(50)`, `datetime2(7)`) because
+/// key texts are converted back with `TRY_CONVERT(data_type, …)`;
+/// `type_name` is the base system type (alias types resolved).
+pub const CATALOG_SQL: &str = "SELECT c.name, TYPE_NAME(c.system_type_id), \
+CASE WHEN TYPE_NAME(c.system_type_id) IN (N'decimal', N'numeric') \
+       THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', c.precision, N',', c.scale, N')') \
+     WHEN TYPE_NAME(c.system_type_id) IN (N'varchar', N'char', N'varbinary', N'binary') \
+       THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', IIF(c.max_length = -1, N'max', CAST(c.max_length AS nvarchar(10))), N')') \
+     WHEN TYPE_NAME(c.system_type_id) IN (N'nvarchar', N'nchar') \
+       THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', IIF(c.max_length = -1, N'max', CAST(c.max_length / 2 AS nvarchar(10))), N')') \
+     WHEN TYPE_NAME(c.system_type_id) IN (N'datetime2', N'time', N'datetimeoffset') \
+       THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', c.scale, N')') \
+     ELSE TYPE_NAME(c.system_type_id) END, \
+c.is_nullable, ic.key_ordinal \
+FROM sys.tables t \
+JOIN sys.schemas s ON s.schema_id = t.schema_id \
+JOIN sys.columns c ON c.object_id = t.object_id \
+LEFT JOIN sys.indexes i ON i.object_id = t.object_id AND i.is_primary_key = 1 \
+LEFT JOIN sys.index_columns ic ON ic.object_id = t.object_id AND ic.index_id = i.index_id \
+  AND ic.column_id = c.column_id \
+WHERE s.name = @P1 AND t.name = @P2 \
+ORDER BY c.column_id";
+
+/// Whether CDC is enabled on the current database.
+pub const CDC_ENABLED_SQL: &str =
+    "SELECT CAST(is_cdc_enabled AS int) FROM sys.databases WHERE database_id = DB_ID()";
+
+/// The columns a capture instance (`@P1`) captures.
+pub const CAPTURED_COLUMNS_SQL: &str = "SELECT cc.column_name \
+FROM cdc.captured_columns cc \
+JOIN cdc.change_tables ct ON ct.object_id = cc.object_id \
+WHERE ct.capture_instance = @P1";
+
+/// Whether the database has a CDC capture job (needs read access to msdb).
+pub const CAPTURE_JOB_SQL: &str =
+    "SELECT COUNT(*) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'capture'";
+
+/// The SQL Server Agent's state (needs VIEW SERVER STATE).
+pub const AGENT_STATUS_SQL: &str = "SELECT status_desc FROM sys.dm_server_services \
+WHERE servicename LIKE N'SQL Server Agent%'";
+
+/// The most recent capture log-scan session error, if any (needs VIEW
+/// DATABASE STATE).
+pub const LOG_SCAN_ERRORS_SQL: &str = "SELECT TOP (1) error_count, end_time \
+FROM sys.dm_cdc_log_scan_sessions WHERE error_count > 0 ORDER BY end_time DESC";
+
+/// Commit time (UTC, µs since the Unix epoch) and transaction id of the
+/// transactions that committed in `[@P1, @P2]`. `cdc.lsn_time_mapping`
+/// holds server-local time; it is shifted by the server's current UTC
+/// offset.
+pub const LSN_TIME_SQL: &str = "SELECT m.start_lsn, \
+DATEDIFF_BIG(microsecond, '19700101', DATEADD(minute, DATEDIFF(minute, SYSDATETIME(), SYSUTCDATETIME()), m.tran_end_time)), \
+m.tran_id \
+FROM cdc.lsn_time_mapping m \
+WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2";
+
+/// The T-SQL that fixes a failed CDC check, for error messages.
+pub fn fix_capture_job() -> &'static str {
+    "EXEC sys.sp_cdc_add_job @job_type = N'capture';  -- then make sure SQL Server Agent runs \
+     (MSSQL_AGENT_ENABLED=true in containers)"
+}
+
 /// Changes of one capture instance in `[@P1, @P2]` (`@P1` is the marker's
 /// successor, `sys.fn_cdc_increment_lsn` done in Rust), in commit order then
 /// change order. `__$operation`: 1 delete, 2 insert, 3 update before,
@@ -106,16 +173,20 @@ pub fn changes_sql(capture_instance: &str, columns: &[String]) -> String {
     )
 }
 
-/// The first `@P2` + 1 change LSNs in `[@P3, @P1]` across the given
-/// capture instances, in order: enough for [`cap_window`] to close the
-/// batch at an LSN boundary.
+/// The first `@P2` + 1 change LSNs up to `@P1` across the given capture
+/// instances, in order: enough for [`cap_window`] to close the batch at an
+/// LSN boundary. Instance `i` is read from `@P(3+i)` (the marker's
+/// successor, or the instance's own minimum when that is later: the
+/// function refuses a start before it).
 pub fn window_sql(capture_instances: &[String]) -> String {
     let unions: Vec<String> = capture_instances
         .iter()
-        .map(|ci| {
+        .enumerate()
+        .map(|(i, ci)| {
             format!(
-                "    SELECT [__$start_lsn] AS [lsn] FROM cdc.{}(@P3, @P1, N'all update old')",
-                qi(&format!("fn_cdc_get_all_changes_{ci}"))
+                "    SELECT [__$start_lsn] AS [lsn] FROM cdc.{}(@P{}, @P1, N'all update old')",
+                qi(&format!("fn_cdc_get_all_changes_{ci}")),
+                i + 3
             )
         })
         .collect();
@@ -148,18 +219,75 @@ pub fn cap_window<L: Ord + Copy>(lsns: &[L], cap: usize, max: L) -> Option<L> {
     )
 }
 
-/// Creates and fills `#skein_keys` for a root with `n` key columns: one
-/// row per root key, `ord` from 1. The values are text (as in the change
-/// records); hydration converts them to the key columns' types.
+/// Creates `#skein_keys` for a root with `n` key columns: one row per root
+/// key, `ord` from 1. The values are text (as in the change records);
+/// hydration converts them to the key columns' types.
 pub fn keys_table_sql(n: usize) -> String {
+    temp_table_sql(KEYS_TABLE, n)
+}
+
+/// Creates `#skein_lookup` for a child with `n` join columns: one row per
+/// join-value tuple to resolve to its root, `ord` from 1.
+pub fn lookup_table_sql(n: usize) -> String {
+    temp_table_sql(LOOKUP_TABLE, n)
+}
+
+/// The temp table of hydration keys.
+pub const KEYS_TABLE: &str = "#skein_keys";
+/// The temp table of root lookups.
+pub const LOOKUP_TABLE: &str = "#skein_lookup";
+
+fn temp_table_sql(table: &str, n: usize) -> String {
     let cols: Vec<String> = (0..n)
         .map(|i| format!("[v{i}] nvarchar(4000) NULL"))
         .collect();
     format!(
-        "IF OBJECT_ID(N'tempdb..#skein_keys') IS NOT NULL DROP TABLE #skein_keys;\n\
-         CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, {});",
+        "IF OBJECT_ID(N'tempdb..{table}') IS NOT NULL DROP TABLE {table};\n\
+         CREATE TABLE {table} ([ord] int NOT NULL PRIMARY KEY, {});",
         cols.join(", ")
     )
+}
+
+/// Root lookup of a child that does not carry its root key (deeper levels,
+/// joins to non-key columns): joins the tuples in `#skein_lookup` up the
+/// parent chain. Columns: `ord`, then the root key columns (typed). A tuple
+/// whose parent chain is gone gives no row: the parent's own change covers
+/// the root.
+pub fn lookup_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> String {
+    let node = &nodes[index];
+    let parent_path = path_to(nodes, node.parent.unwrap_or(0));
+    let up: Vec<usize> = parent_path.iter().rev().copied().collect();
+    let alias = |i: usize| format!("u{i}");
+    let root_alias = alias(up.len() - 1);
+    let root_key = catalog.key_columns(&nodes[0]);
+    let mut select = vec!["k.[ord]".to_string()];
+    for c in &root_key {
+        select.push(format!("{root_alias}.{}", qi(c)));
+    }
+    let parent = &nodes[up[0]];
+    let conds: Vec<String> = node
+        .on
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let ty = catalog
+                .node(parent)
+                .and_then(|t| t.column(&o.to_column))
+                .map(|c| c.data_type.as_str())
+                .unwrap_or("nvarchar(4000)");
+            format!("u0.{} = TRY_CONVERT({ty}, k.[v{i}])", qi(&o.to_column))
+        })
+        .collect();
+    let mut sql = format!(
+        "SELECT {}\nFROM {LOOKUP_TABLE} k\nJOIN {}.{} u0 ON {}\n",
+        select.join(", "),
+        qi(&parent.schema),
+        qi(&parent.table),
+        conds.join(" AND ")
+    );
+    sql.push_str(&parent_chain_joins(nodes, &up, qi));
+    sql.push_str("ORDER BY k.[ord]");
+    sql
 }
 
 /// How many root keys one `INSERT INTO #skein_keys` carries: a request
@@ -171,6 +299,11 @@ pub fn keys_per_insert(key_columns: usize) -> usize {
 /// Inserts `rows` root keys (`ord` then the key texts, as parameters
 /// `@P1…`) into `#skein_keys`.
 pub fn keys_insert_sql(key_columns: usize, rows: usize) -> String {
+    temp_insert_sql(KEYS_TABLE, key_columns, rows)
+}
+
+/// Inserts `rows` tuples into `table` (`#skein_keys` or `#skein_lookup`).
+pub fn temp_insert_sql(table: &str, key_columns: usize, rows: usize) -> String {
     let cols: Vec<String> = std::iter::once("[ord]".to_string())
         .chain((0..key_columns).map(|i| format!("[v{i}]")))
         .collect();
@@ -184,7 +317,7 @@ pub fn keys_insert_sql(key_columns: usize, rows: usize) -> String {
         })
         .collect();
     format!(
-        "INSERT INTO #skein_keys ({}) VALUES {}",
+        "INSERT INTO {table} ({}) VALUES {}",
         cols.join(", "),
         values.join(", ")
     )
@@ -209,7 +342,8 @@ pub fn select_expr(alias: &str, col: &ColumnInfo) -> String {
 }
 
 /// Hydration query of one node for the root keys in `#skein_keys`.
-/// Columns: `ord`, the node's join columns (`link_*`), the columns its
+/// Columns: `ord`, for the root `found` (0 when the root row is gone), the
+/// node's join columns (`link_*`), the columns its
 /// children join to (`ref_*`), then its event columns, typed; the root's
 /// rows come from a left join, so a missing root gives one row of NULLs.
 /// Rows are ordered by root, then by the node's key (stable arrays).
@@ -220,6 +354,18 @@ pub fn hydrate_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
     let alias = |i: usize| format!("t{i}");
     let this = alias(path.len() - 1);
     let mut select = vec!["k.[ord]".to_string()];
+    if index == 0 {
+        // The root is left-joined: whether it still exists.
+        let first = catalog
+            .key_columns(root)
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+        select.push(format!(
+            "CASE WHEN t0.{} IS NULL THEN 0 ELSE 1 END AS [found]",
+            qi(&first)
+        ));
+    }
     for o in &node.on {
         select.push(format!(
             "{this}.{} AS {}",
@@ -282,8 +428,8 @@ pub fn sidecar_ddl(schema: &str) -> String {
         "  [group_name]    nvarchar(200) NOT NULL,\n  \
          [topic]         nvarchar(400) NOT NULL,\n  \
          [partition]     int           NOT NULL,\n  \
-         [position]      bigint        NOT NULL,\n  \
-         [source_commit] binary(10)    NULL,\n  \
+         [position]      decimal(25,0) NOT NULL,\n  \
+         [source_commit] nvarchar(30)  NULL,\n  \
          [source_seq]    bigint        NULL,\n  \
          [updated_at]    datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
          PRIMARY KEY ([group_name], [topic], [partition])",
@@ -296,8 +442,8 @@ pub fn sidecar_ddl(schema: &str) -> String {
          [group_name]     nvarchar(200) NOT NULL,\n  \
          [topic]          nvarchar(400) NOT NULL,\n  \
          [partition]      int           NOT NULL,\n  \
-         [lower_position] bigint        NOT NULL,\n  \
-         [upper_position] bigint        NOT NULL,\n  \
+         [lower_position] decimal(25,0) NOT NULL,\n  \
+         [upper_position] decimal(25,0) NOT NULL,\n  \
          [record_count]   int           NOT NULL,\n  \
          [entity_count]   int           NOT NULL,\n  \
          [event_count]    int           NOT NULL,\n  \

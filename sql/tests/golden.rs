@@ -155,6 +155,10 @@ fn quickstart_mssql() -> (Config, Catalog) {
     let text = std::fs::read_to_string(root().join("examples/quickstart/skein.yaml"))
         .unwrap()
         .replace("kind: postgres", "kind: sqlserver")
+        .replace(
+            "sidecar:\n",
+            "sidecar:\n  url: postgres://skein@sidecar/skein\n",
+        )
         .replace("    schema: public\n", "    schema: dbo\n");
     let text = expand_env(&text, "skein.yaml", |_| {
         Some("server=tcp:h,1433;database=crm;user=u;password=p".into())
@@ -216,6 +220,7 @@ fn orders_mssql() -> (Config, Catalog) {
         r#"
 name: orders
 source: { kind: sqlserver, url: "server=tcp:h,1433;database=shop" }
+sidecar: { url: "postgres://skein@sidecar/skein" }
 entities:
   - name: order
     schema: sales
@@ -320,9 +325,33 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
             sqlserver::changes_sql(&sqlserver::capture_instance(&t.schema, &t.table), &cols)
         ));
     }
+    out.push_str(&format!(
+        "-- catalog of a table\n{};\n\n-- CDC enabled on the database\n{};\n\n\
+         -- columns a capture instance holds\n{};\n\n-- the capture job\n{};\n\n\
+         -- the agent\n{};\n\n-- capture errors\n{};\n\n-- commit times\n{};\n\n",
+        sqlserver::CATALOG_SQL,
+        sqlserver::CDC_ENABLED_SQL,
+        sqlserver::CAPTURED_COLUMNS_SQL,
+        sqlserver::CAPTURE_JOB_SQL,
+        sqlserver::AGENT_STATUS_SQL,
+        sqlserver::LOG_SCAN_ERRORS_SQL,
+        sqlserver::LSN_TIME_SQL,
+    ));
     for e in &cfg.entities {
         let nodes = e.nodes();
         let key_count = cat.key_columns(&nodes[0]).len();
+        for (i, n) in nodes.iter().enumerate().skip(1) {
+            if skein_sql::postgres::direct_root_mapping(&nodes, i, cat).is_none() {
+                out.push_str(&format!(
+                    "-- root lookup of {} ({})\n{}\n{};\n{};\n\n",
+                    n.name,
+                    n.qualified(),
+                    sqlserver::lookup_table_sql(n.on.len()),
+                    sqlserver::temp_insert_sql(sqlserver::LOOKUP_TABLE, n.on.len(), 1),
+                    sqlserver::lookup_sql(&nodes, i, cat)
+                ));
+            }
+        }
         out.push_str(&format!(
             "-- the batch's root keys\n{}\n\n",
             sqlserver::keys_table_sql(key_count)

@@ -22,16 +22,44 @@ use rdkafka::util::Timeout;
 use skein_common::config::Secret;
 use skein_common::position::ChangePosition;
 use skein_common::record::{partition_for, Op, RootKey};
-use skein_common::{ChangeRecord, PgLsn};
+use skein_common::{ChangeRecord, PgLsn, SourcePosition};
 use tracing::{info, warn};
 
 use crate::{Batch, Error, Result, Transport};
 
-/// Format byte in front of every Avro datum, so the encoding can evolve.
+/// Format byte of the first encoding: positions as PostgreSQL LSNs in
+/// `long`s. Still decoded, so appliers can be upgraded before extractors.
 pub const FORMAT_V1: u8 = 1;
+/// Format byte of the current encoding: positions as the source shows them
+/// (strings), which holds SQL Server's 80-bit LSNs as well.
+pub const FORMAT_V2: u8 = 2;
 
-/// The Avro schema of a record on the change topic.
+/// The Avro schema behind [`FORMAT_V2`], what [`encode`] writes.
 pub const SCHEMA_JSON: &str = r#"{
+  "type": "record", "name": "ChangeEnvelope", "namespace": "skein",
+  "doc": "One change resolved to its aggregate root, or (record = null) a notice that the source lost changes before the batch (lower, upper].",
+  "fields": [
+    {"name": "lower", "type": "string", "doc": "extractor batch: exclusive lower source position, as the source shows it (0/16B3748 or 0x0000002A000001F00003)"},
+    {"name": "upper", "type": "string", "doc": "extractor batch: inclusive upper source position"},
+    {"name": "has_data_loss", "type": "boolean"},
+    {"name": "record", "type": ["null", {
+      "type": "record", "name": "ChangeRecord",
+      "fields": [
+        {"name": "entity", "type": "string"},
+        {"name": "root_key", "type": {"type": "array", "items": ["null", "string"]}},
+        {"name": "table", "type": "string"},
+        {"name": "op", "type": {"type": "enum", "name": "Op", "symbols": ["insert", "update", "delete"]}},
+        {"name": "commit", "type": "string", "doc": "commit position of the source transaction"},
+        {"name": "seq", "type": "long", "doc": "order of the change inside its transaction"},
+        {"name": "tx_id", "type": "long"},
+        {"name": "commit_time_micros", "type": "long"}
+      ]
+    }]}
+  ]
+}"#;
+
+/// The Avro schema behind [`FORMAT_V1`] (frozen; decode only).
+pub const SCHEMA_V1_JSON: &str = r#"{
   "type": "record", "name": "ChangeEnvelope", "namespace": "skein",
   "doc": "One change resolved to its aggregate root, or (record = null) a notice that the source lost changes before the batch (lower, upper].",
   "fields": [
@@ -56,21 +84,23 @@ pub const SCHEMA_JSON: &str = r#"{
 
 static SCHEMA: LazyLock<Schema> =
     LazyLock::new(|| Schema::parse_str(SCHEMA_JSON).expect("the change schema is valid Avro"));
+static SCHEMA_V1: LazyLock<Schema> =
+    LazyLock::new(|| Schema::parse_str(SCHEMA_V1_JSON).expect("the v1 schema is valid Avro"));
 
 /// What travels on the change topic.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Envelope {
     /// The extractor batch the record belongs to.
-    pub lower: PgLsn,
+    pub lower: SourcePosition,
     /// See `lower`.
-    pub upper: PgLsn,
+    pub upper: SourcePosition,
     /// The source reported lost changes before this batch.
     pub has_data_loss: bool,
     /// The change; `None` for a data-loss notice.
     pub record: Option<ChangeRecord>,
 }
 
-/// Encodes an envelope: [`FORMAT_V1`] then the Avro datum.
+/// Encodes an envelope: [`FORMAT_V2`] then the Avro datum.
 pub fn encode(e: &Envelope) -> Vec<u8> {
     let record = match &e.record {
         None => Value::Union(0, Box::new(Value::Null)),
@@ -100,7 +130,10 @@ pub fn encode(e: &Envelope) -> Vec<u8> {
                         Op::Delete => Value::Enum(2, "delete".into()),
                     },
                 ),
-                ("commit".into(), Value::Long(r.position.commit.as_i64())),
+                (
+                    "commit".into(),
+                    Value::String(r.position.commit.to_string()),
+                ),
                 ("seq".into(), Value::Long(i64::from(r.position.seq))),
                 ("tx_id".into(), Value::Long(r.tx_id as i64)),
                 (
@@ -111,12 +144,12 @@ pub fn encode(e: &Envelope) -> Vec<u8> {
         ),
     };
     let value = Value::Record(vec![
-        ("lower".into(), Value::Long(e.lower.as_i64())),
-        ("upper".into(), Value::Long(e.upper.as_i64())),
+        ("lower".into(), Value::String(e.lower.to_string())),
+        ("upper".into(), Value::String(e.upper.to_string())),
         ("has_data_loss".into(), Value::Boolean(e.has_data_loss)),
         ("record".into(), record),
     ]);
-    let mut out = vec![FORMAT_V1];
+    let mut out = vec![FORMAT_V2];
     out.extend(
         apache_avro::to_avro_datum(&SCHEMA, value).expect("an envelope always matches its schema"),
     );
@@ -128,18 +161,19 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
     let Some((&format, mut body)) = bytes.split_first() else {
         return Err("empty message".into());
     };
-    if format != FORMAT_V1 {
-        return Err(format!("unknown format byte {format}"));
-    }
-    let value = apache_avro::from_avro_datum(&SCHEMA, &mut body, None)
+    let schema: &Schema = match format {
+        FORMAT_V1 => &SCHEMA_V1,
+        FORMAT_V2 => &SCHEMA,
+        _ => return Err(format!("unknown format byte {format}")),
+    };
+    let value = apache_avro::from_avro_datum(schema, &mut body, None)
         .map_err(|e| format!("not a skein change record: {e}"))?;
     if !body.is_empty() {
         return Err(format!("{} trailing bytes after the record", body.len()));
     }
     let fields = record_fields(value)?;
-    let long = |k: &str| long_field(&fields, k);
-    let lower = PgLsn::from_i64(long("lower")?);
-    let upper = PgLsn::from_i64(long("upper")?);
+    let lower = position_field(&fields, "lower")?;
+    let upper = position_field(&fields, "upper")?;
     let has_data_loss = matches!(fields.get("has_data_loss"), Some(Value::Boolean(true)));
     let record = match fields.get("record") {
         Some(Value::Union(_, inner)) => match inner.as_ref() {
@@ -167,6 +201,18 @@ fn long_field(f: &BTreeMap<String, Value>, k: &str) -> std::result::Result<i64, 
     match f.get(k) {
         Some(Value::Long(v)) => Ok(*v),
         other => Err(format!("field `{k}`: expected a long, got {other:?}")),
+    }
+}
+
+/// A position: a PostgreSQL LSN `long` (v1) or the display form (v2).
+fn position_field(
+    f: &BTreeMap<String, Value>,
+    k: &str,
+) -> std::result::Result<SourcePosition, String> {
+    match f.get(k) {
+        Some(Value::Long(v)) => Ok(SourcePosition::Pg(PgLsn::from_i64(*v))),
+        Some(Value::String(s)) => s.parse().map_err(|e| format!("field `{k}`: {e}")),
+        other => Err(format!("field `{k}`: expected a position, got {other:?}")),
     }
 }
 
@@ -204,7 +250,7 @@ fn decode_record(v: Value) -> std::result::Result<ChangeRecord, String> {
         table: string("table")?,
         op,
         position: ChangePosition {
-            commit: PgLsn::from_i64(long("commit")?),
+            commit: position_field(&f, "commit")?,
             seq,
         },
         tx_id: long("tx_id")? as u64,
@@ -447,6 +493,8 @@ impl Drop for KafkaTransport {
 
 #[cfg(test)]
 mod tests {
+    use skein_common::SqlServerLsn;
+
     use super::*;
 
     fn rec(key: Vec<Option<&str>>) -> ChangeRecord {
@@ -456,7 +504,7 @@ mod tests {
             table: "public.address".into(),
             op: Op::Delete,
             position: ChangePosition {
-                commit: PgLsn(0x1_0000_0042),
+                commit: PgLsn(0x1_0000_0042).into(),
                 seq: 7,
             },
             tx_id: 912,
@@ -472,23 +520,79 @@ mod tests {
             Some(rec(vec![Some("ü,1"), None])),
         ] {
             let e = Envelope {
-                lower: PgLsn(10),
-                upper: PgLsn(0x1_0000_0042),
+                lower: PgLsn(10).into(),
+                upper: PgLsn(0x1_0000_0042).into(),
                 has_data_loss: record.is_none(),
-                record,
+                record: record.clone(),
+            };
+            assert_eq!(decode(&encode(&e)).unwrap(), e);
+            // SQL Server positions (80 bits) travel too.
+            let lsn = |b: u8| SourcePosition::SqlServer(SqlServerLsn([b; 10]));
+            let e = Envelope {
+                lower: lsn(0x10),
+                upper: lsn(0xFE),
+                has_data_loss: false,
+                record: record.map(|r| ChangeRecord {
+                    position: ChangePosition {
+                        commit: lsn(0xFE),
+                        seq: 3,
+                    },
+                    ..r
+                }),
             };
             assert_eq!(decode(&encode(&e)).unwrap(), e);
         }
     }
 
     #[test]
+    fn format_v1_records_are_still_read() {
+        // A v1 datum as the previous release's encoder wrote it.
+        let r = rec(vec![Some("1")]);
+        let value = Value::Record(vec![
+            ("lower".into(), Value::Long(10)),
+            ("upper".into(), Value::Long(0x1_0000_0042)),
+            ("has_data_loss".into(), Value::Boolean(false)),
+            (
+                "record".into(),
+                Value::Union(
+                    1,
+                    Box::new(Value::Record(vec![
+                        ("entity".into(), Value::String(r.entity.clone())),
+                        (
+                            "root_key".into(),
+                            Value::Array(vec![Value::Union(
+                                1,
+                                Box::new(Value::String("1".into())),
+                            )]),
+                        ),
+                        ("table".into(), Value::String(r.table.clone())),
+                        ("op".into(), Value::Enum(2, "delete".into())),
+                        ("commit".into(), Value::Long(0x1_0000_0042)),
+                        ("seq".into(), Value::Long(7)),
+                        ("tx_id".into(), Value::Long(912)),
+                        (
+                            "commit_time_micros".into(),
+                            Value::Long(r.commit_time_micros),
+                        ),
+                    ])),
+                ),
+            ),
+        ]);
+        let mut bytes = vec![FORMAT_V1];
+        bytes.extend(apache_avro::to_avro_datum(&SCHEMA_V1, value).unwrap());
+        let e = decode(&bytes).unwrap();
+        assert_eq!(e.upper, SourcePosition::Pg(PgLsn(0x1_0000_0042)));
+        assert_eq!(e.record, Some(r));
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert!(decode(b"").is_err());
-        assert!(decode(b"\x02abc").unwrap_err().contains("format byte"));
+        assert!(decode(b"\x03abc").unwrap_err().contains("format byte"));
         assert!(decode(b"\x01\xff\xff").is_err());
         let mut ok = encode(&Envelope {
-            lower: PgLsn(1),
-            upper: PgLsn(2),
+            lower: PgLsn(1).into(),
+            upper: PgLsn(2).into(),
             has_data_loss: false,
             record: Some(rec(vec![Some("1")])),
         });

@@ -14,7 +14,7 @@ pub mod kafka;
 use std::time::Duration;
 
 use skein_common::record::partition_for;
-use skein_common::{ChangeRecord, PgLsn};
+use skein_common::{ChangeRecord, SourcePosition};
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -46,9 +46,9 @@ pub struct Batch {
     /// Extractor batch sequence number (for logs).
     pub seq: u64,
     /// Exclusive lower bound (the marker the batch started from).
-    pub lower: PgLsn,
+    pub lower: SourcePosition,
     /// Inclusive upper bound (commit end of the last transaction).
-    pub upper: PgLsn,
+    pub upper: SourcePosition,
     /// The source reported lost changes before this batch.
     pub has_data_loss: bool,
     /// The records, in source order.
@@ -204,7 +204,7 @@ impl Transport for InProcess {
 
 #[cfg(test)]
 mod tests {
-    use skein_common::{ChangePosition, Op, RootKey};
+    use skein_common::{ChangePosition, Op, PgLsn, RootKey};
 
     use super::*;
 
@@ -215,7 +215,7 @@ mod tests {
             table: "public.customer".into(),
             op: Op::Update,
             position: ChangePosition {
-                commit: PgLsn(100),
+                commit: PgLsn(100).into(),
                 seq,
             },
             tx_id: 1,
@@ -228,15 +228,15 @@ mod tests {
         let records: Vec<_> = (0..200).map(|i| rec(&(i % 20).to_string(), i)).collect();
         let b = Batch {
             seq: 1,
-            lower: PgLsn(1),
-            upper: PgLsn(100),
+            lower: PgLsn(1).into(),
+            upper: PgLsn(100).into(),
             has_data_loss: false,
             records,
         };
         let parts = split(&b, 4);
         assert_eq!(parts.iter().map(|p| p.records.len()).sum::<usize>(), 200);
         for p in &parts {
-            assert_eq!(p.upper, PgLsn(100));
+            assert_eq!(p.upper, SourcePosition::Pg(PgLsn(100)));
             for k in 0..20 {
                 let seqs: Vec<u32> = p
                     .records
@@ -273,8 +273,8 @@ mod tests {
         });
         let b = Batch {
             seq: 1,
-            lower: PgLsn(1),
-            upper: PgLsn(2),
+            lower: PgLsn(1).into(),
+            upper: PgLsn(2).into(),
             has_data_loss: false,
             records: vec![rec("1", 0)],
         };

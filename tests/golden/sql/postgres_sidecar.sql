@@ -1,4 +1,4 @@
--- skein sidecar schema, version 2.
+-- skein sidecar schema, version 3.
 CREATE SCHEMA IF NOT EXISTS "skein";
 
 CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
@@ -9,18 +9,20 @@ CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
 -- The exactly-once recovery marker: the last source position (in-process) or
 -- the next Kafka offset each partition consumes, plus the last source change
 -- applied (re-sent records at or before it are dropped). Moves only inside the
--- batch transaction.
+-- batch transaction. Source positions are numbers that order like the source
+-- (80 bits for a SQL Server LSN, hence numeric); source_commit is the display
+-- form (0/16B3748 or 0x0000002A000001F00003).
 CREATE TABLE IF NOT EXISTS "skein"."progress" (
   "group_name"    text        NOT NULL,
   "topic"         text        NOT NULL,
   "partition"     integer     NOT NULL,
-  "position"      bigint      NOT NULL,
-  "source_commit" bigint,
+  "position"      numeric(25,0) NOT NULL,
+  "source_commit" text,
   "source_seq"    bigint,
   "updated_at"    timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY ("group_name", "topic", "partition")
 );
-ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_commit" bigint;
+ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_commit" text;
 ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
 
 CREATE TABLE IF NOT EXISTS "skein"."batch" (
@@ -29,8 +31,8 @@ CREATE TABLE IF NOT EXISTS "skein"."batch" (
   "group_name"     text        NOT NULL,
   "topic"          text        NOT NULL,
   "partition"      integer     NOT NULL,
-  "lower_position" bigint      NOT NULL,
-  "upper_position" bigint      NOT NULL,
+  "lower_position" numeric(25,0) NOT NULL,
+  "upper_position" numeric(25,0) NOT NULL,
   "record_count"   integer     NOT NULL,
   "entity_count"   integer     NOT NULL,
   "event_count"    integer     NOT NULL,
@@ -40,6 +42,22 @@ CREATE TABLE IF NOT EXISTS "skein"."batch" (
 );
 -- Undecodable records sent to the dead-letter topic by this batch.
 ALTER TABLE "skein"."batch" ADD COLUMN IF NOT EXISTS "dead_letters" integer NOT NULL DEFAULT 0;
+
+-- Version 3: positions wide enough for SQL Server LSNs. A version 2 sidecar
+-- held PostgreSQL LSNs in bigint; they keep their value and order.
+DO $$
+BEGIN
+  IF (SELECT data_type FROM information_schema.columns WHERE table_schema = 'skein'
+      AND table_name = 'progress' AND column_name = 'source_commit') = 'bigint' THEN
+    ALTER TABLE "skein"."progress"
+      ALTER COLUMN "position" TYPE numeric(25,0),
+      ALTER COLUMN "source_commit" TYPE text
+        USING upper(to_hex("source_commit" >> 32)) || '/' || upper(to_hex("source_commit" & 4294967295));
+    ALTER TABLE "skein"."batch"
+      ALTER COLUMN "lower_position" TYPE numeric(25,0),
+      ALTER COLUMN "upper_position" TYPE numeric(25,0);
+  END IF;
+END $$;
 
 CREATE TABLE IF NOT EXISTS "skein"."version" (
   "entity"     text        NOT NULL,
@@ -66,4 +84,4 @@ CREATE TABLE IF NOT EXISTS "skein"."outbox" (
 CREATE INDEX IF NOT EXISTS "outbox_pending" ON "skein"."outbox" ("id") WHERE "dequeued_at" IS NULL;
 CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox" ("entity", "key", "id");
 
-INSERT INTO "skein"."schema_version" ("version") VALUES (2) ON CONFLICT DO NOTHING;
+INSERT INTO "skein"."schema_version" ("version") VALUES (3) ON CONFLICT DO NOTHING;

@@ -60,11 +60,11 @@ SELECT TOP (@P2 + 1) u.[lsn]
 FROM (
     SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order](@P3, @P1, N'all update old')
     UNION ALL
-    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P3, @P1, N'all update old')
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P4, @P1, N'all update old')
     UNION ALL
-    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P3, @P1, N'all update old')
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P5, @P1, N'all update old')
     UNION ALL
-    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P3, @P1, N'all update old')
+    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P6, @P1, N'all update old')
 ) u
 ORDER BY u.[lsn];
 
@@ -88,6 +88,37 @@ SELECT [__$start_lsn], [__$seqval], [__$operation], [order_no], [tenant_id]
 FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P1, @P2, N'all update old')
 ORDER BY [__$start_lsn], [__$seqval], [__$operation];
 
+-- catalog of a table
+SELECT c.name, TYPE_NAME(c.system_type_id), CASE WHEN TYPE_NAME(c.system_type_id) IN (N'decimal', N'numeric') THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', c.precision, N',', c.scale, N')') WHEN TYPE_NAME(c.system_type_id) IN (N'varchar', N'char', N'varbinary', N'binary') THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', IIF(c.max_length = -1, N'max', CAST(c.max_length AS nvarchar(10))), N')') WHEN TYPE_NAME(c.system_type_id) IN (N'nvarchar', N'nchar') THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', IIF(c.max_length = -1, N'max', CAST(c.max_length / 2 AS nvarchar(10))), N')') WHEN TYPE_NAME(c.system_type_id) IN (N'datetime2', N'time', N'datetimeoffset') THEN CONCAT(TYPE_NAME(c.system_type_id), N'(', c.scale, N')') ELSE TYPE_NAME(c.system_type_id) END, c.is_nullable, ic.key_ordinal FROM sys.tables t JOIN sys.schemas s ON s.schema_id = t.schema_id JOIN sys.columns c ON c.object_id = t.object_id LEFT JOIN sys.indexes i ON i.object_id = t.object_id AND i.is_primary_key = 1 LEFT JOIN sys.index_columns ic ON ic.object_id = t.object_id AND ic.index_id = i.index_id AND ic.column_id = c.column_id WHERE s.name = @P1 AND t.name = @P2 ORDER BY c.column_id;
+
+-- CDC enabled on the database
+SELECT CAST(is_cdc_enabled AS int) FROM sys.databases WHERE database_id = DB_ID();
+
+-- columns a capture instance holds
+SELECT cc.column_name FROM cdc.captured_columns cc JOIN cdc.change_tables ct ON ct.object_id = cc.object_id WHERE ct.capture_instance = @P1;
+
+-- the capture job
+SELECT COUNT(*) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'capture';
+
+-- the agent
+SELECT status_desc FROM sys.dm_server_services WHERE servicename LIKE N'SQL Server Agent%';
+
+-- capture errors
+SELECT TOP (1) error_count, end_time FROM sys.dm_cdc_log_scan_sessions WHERE error_count > 0 ORDER BY end_time DESC;
+
+-- commit times
+SELECT m.start_lsn, DATEDIFF_BIG(microsecond, '19700101', DATEADD(minute, DATEDIFF(minute, SYSDATETIME(), SYSUTCDATETIME()), m.tran_end_time)), m.tran_id FROM cdc.lsn_time_mapping m WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2;
+
+-- root lookup of discounts (sales.line_discount)
+IF OBJECT_ID(N'tempdb..#skein_lookup') IS NOT NULL DROP TABLE #skein_lookup;
+CREATE TABLE #skein_lookup ([ord] int NOT NULL PRIMARY KEY, [v0] nvarchar(4000) NULL, [v1] nvarchar(4000) NULL, [v2] nvarchar(4000) NULL);
+INSERT INTO #skein_lookup ([ord], [v0], [v1], [v2]) VALUES (@P1, @P2, @P3, @P4);
+SELECT k.[ord], u1.[tenant_id], u1.[order_no]
+FROM #skein_lookup k
+JOIN [sales].[order_line] u0 ON u0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]) AND u0.[order_no] = TRY_CONVERT(bigint, k.[v1]) AND u0.[line_no] = TRY_CONVERT(smallint, k.[v2])
+JOIN [sales].[order] u1 ON u0.[tenant_id] = u1.[tenant_id] AND u0.[order_no] = u1.[order_no]
+ORDER BY k.[ord];
+
 -- the batch's root keys
 IF OBJECT_ID(N'tempdb..#skein_keys') IS NOT NULL DROP TABLE #skein_keys;
 CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, [v0] nvarchar(4000) NULL, [v1] nvarchar(4000) NULL);
@@ -96,7 +127,7 @@ CREATE TABLE #skein_keys ([ord] int NOT NULL PRIMARY KEY, [v0] nvarchar(4000) NU
 INSERT INTO #skein_keys ([ord], [v0], [v1]) VALUES (@P1, @P2, @P3), (@P4, @P5, @P6);
 
 -- hydrate order (sales.order)
-SELECT k.[ord], t0.[order_no] AS [ref_order_no], t0.[tenant_id] AS [ref_tenant_id], t0.[tenant_id], t0.[order_no], t0.[placed_at], CAST(t0.[total] AS decimal(19,4)) AS [total], t0.[note], t0.[row_version]
+SELECT k.[ord], CASE WHEN t0.[tenant_id] IS NULL THEN 0 ELSE 1 END AS [found], t0.[order_no] AS [ref_order_no], t0.[tenant_id] AS [ref_tenant_id], t0.[tenant_id], t0.[order_no], t0.[placed_at], CAST(t0.[total] AS decimal(19,4)) AS [total], t0.[note], t0.[row_version]
 FROM #skein_keys k
 LEFT JOIN [sales].[order] t0 ON t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]) AND t0.[order_no] = TRY_CONVERT(bigint, k.[v1])
 ORDER BY k.[ord];

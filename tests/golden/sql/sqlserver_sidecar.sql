@@ -1,4 +1,4 @@
--- skein sidecar schema (T-SQL), version 2.
+-- skein sidecar schema (T-SQL), version 3.
 IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
 
 IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
@@ -13,8 +13,8 @@ CREATE TABLE [skein].[progress] (
   [group_name]    nvarchar(200) NOT NULL,
   [topic]         nvarchar(400) NOT NULL,
   [partition]     int           NOT NULL,
-  [position]      bigint        NOT NULL,
-  [source_commit] binary(10)    NULL,
+  [position]      decimal(25,0) NOT NULL,
+  [source_commit] nvarchar(30)  NULL,
   [source_seq]    bigint        NULL,
   [updated_at]    datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
   PRIMARY KEY ([group_name], [topic], [partition])
@@ -27,8 +27,8 @@ CREATE TABLE [skein].[batch] (
   [group_name]     nvarchar(200) NOT NULL,
   [topic]          nvarchar(400) NOT NULL,
   [partition]      int           NOT NULL,
-  [lower_position] bigint        NOT NULL,
-  [upper_position] bigint        NOT NULL,
+  [lower_position] decimal(25,0) NOT NULL,
+  [upper_position] decimal(25,0) NOT NULL,
   [record_count]   int           NOT NULL,
   [entity_count]   int           NOT NULL,
   [event_count]    int           NOT NULL,
@@ -66,5 +66,5 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND obje
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
     CREATE INDEX [outbox_entity_key] ON [skein].[outbox] ([entity], [key], [id]);
 
-IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 2)
-    INSERT INTO [skein].[schema_version] ([version]) VALUES (2);
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 3)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (3);
