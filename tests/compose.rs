@@ -31,21 +31,52 @@ fn compose_services_and_dependencies() {
     let services = c["services"].as_mapping().expect("services");
     let names: Vec<&str> = services.keys().map(|k| k.as_str().unwrap()).collect();
     for want in [
+        "sqlserver",
+        "sqlserver-init",
         "kafka",
         "postgres",
         "skein-setup",
-        "skein-extract",
-        "skein-apply-1",
-        "skein-apply-2",
+        "extract",
+        "apply",
+        "relay",
     ] {
         assert!(names.contains(&want), "service {want} missing: {names:?}");
     }
-    assert!(strs(&c["services"]["postgres"]["command"]).contains(&"wal_level=logical".to_string()));
+    let ms = &c["services"]["sqlserver"];
+    assert!(ms["image"].as_str().unwrap().contains("mssql/server:2022"));
+    assert_eq!(
+        ms["environment"]["MSSQL_AGENT_ENABLED"], "true",
+        "CDC's capture job needs SQL Server Agent"
+    );
+    // The init container creates the sample database from the repository's schema.
+    let init = &c["services"]["sqlserver-init"];
+    assert_eq!(
+        init["depends_on"]["sqlserver"]["condition"],
+        "service_healthy"
+    );
+    let mount = strs(&init["volumes"]).join(" ");
+    assert!(mount.contains("schema.sqlserver.sql"), "{mount}");
+    assert!(root()
+        .join("examples/quickstart/schema.sqlserver.sql")
+        .exists());
+    assert!(strs(&init["entrypoint"])
+        .join(" ")
+        .contains("CREATE DATABASE crm"));
+    // Setup enables CDC after the database exists, then creates the sidecar.
+    let setup = &c["services"]["skein-setup"];
+    assert_eq!(
+        setup["depends_on"]["sqlserver-init"]["condition"],
+        "service_completed_successfully"
+    );
+    let script = strs(&setup["entrypoint"]).join(" ");
+    assert!(
+        script.contains("skein sql source --apply") && script.contains("skein sidecar migrate")
+    );
     assert_eq!(
         c["services"]["kafka"]["environment"]["KAFKA_PROCESS_ROLES"], "broker,controller",
         "Kafka runs in KRaft mode"
     );
-    for svc in ["skein-extract", "skein-apply-1", "skein-apply-2"] {
+    for svc in ["extract", "apply", "relay"] {
         let deps = &c["services"][svc]["depends_on"];
         assert_eq!(deps["kafka"]["condition"], "service_healthy", "{svc}");
         assert_eq!(
@@ -53,12 +84,35 @@ fn compose_services_and_dependencies() {
             "{svc}"
         );
     }
-    // Each applier has its own static member id.
-    let ids: Vec<String> = ["skein-apply-1", "skein-apply-2"]
+    // `--scale apply=3` needs replicas that do not clash: no fixed container
+    // name, no static member id, no published port.
+    let apply = &c["services"]["apply"];
+    assert!(apply.get("container_name").is_none());
+    assert!(apply.get("ports").is_none());
+    assert_eq!(strs(&apply["command"]), vec!["apply".to_string()]);
+    assert!(!apply["environment"]
+        .as_mapping()
+        .unwrap()
+        .contains_key("SKEIN_INSTANCE_ID"));
+    assert_eq!(
+        strs(&c["services"]["relay"]["command"]),
+        vec!["relay".to_string()]
+    );
+    // Only the extractor keeps state.
+    assert!(strs(&c["services"]["extract"]["volumes"])
         .iter()
-        .map(|s| strs(&c["services"][*s]["command"]).last().unwrap().clone())
-        .collect();
-    assert_ne!(ids[0], ids[1]);
+        .any(|v| v.starts_with("skein-state:")));
+}
+
+/// The commands inside `sh -c` scripts (`skein …` segments joined by `&&`).
+fn script_commands(script: &str) -> Vec<Vec<String>> {
+    script
+        .split("&&")
+        .filter_map(|part| {
+            let words: Vec<String> = part.split_whitespace().map(String::from).collect();
+            (words.first().map(String::as_str) == Some("skein")).then(|| words[1..].to_vec())
+        })
+        .collect()
 }
 
 #[test]
@@ -68,7 +122,7 @@ fn compose_skein_commands_parse_and_the_config_loads() {
     let mut checked = 0;
     for (name, svc) in services {
         let name = name.as_str().unwrap();
-        if !name.starts_with("skein-") {
+        if svc["image"].as_str() != Some("skein:local") {
             continue;
         }
         // The environment compose gives the process (anchors resolved by the parser).
@@ -99,9 +153,12 @@ fn compose_skein_commands_parse_and_the_config_loads() {
             "{name}: the config does not load with compose's environment: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        // The command line parses (`--help` after it parses everything before).
-        let cmd = strs(&svc["command"]);
-        if !cmd.is_empty() {
+        // The command lines parse (`--help` after them parses everything
+        // before it): the service's command, and the skein commands of an
+        // entrypoint script.
+        let mut cmds = script_commands(&strs(&svc["entrypoint"]).join(" "));
+        cmds.push(strs(&svc["command"]));
+        for cmd in cmds.into_iter().filter(|c| !c.is_empty()) {
             let out = Command::new(env!("CARGO_BIN_EXE_skein"))
                 .args(&cmd)
                 .arg("--help")
@@ -116,5 +173,5 @@ fn compose_skein_commands_parse_and_the_config_loads() {
         }
         checked += 1;
     }
-    assert!(checked >= 4, "skein services checked: {checked}");
+    assert!(checked >= 7, "skein services checked: {checked}");
 }
