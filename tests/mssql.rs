@@ -214,8 +214,9 @@ impl MsEnv {
         self.settle(run).await;
     }
 
-    /// Bumps the sentinel and waits for its event with nothing pending.
-    async fn settle(&mut self, run: &mut Child) {
+    /// Writes a new name to the sentinel customer (creating it the first
+    /// time) and returns the name.
+    async fn bump_sentinel(&mut self) -> String {
         self.sync += 1;
         let mark = format!("sync-{}", self.sync);
         self.exec(&format!(
@@ -224,6 +225,12 @@ impl MsEnv {
              ELSE INSERT INTO dbo.customer (id, name) VALUES (999, N'{mark}');"
         ))
         .await;
+        mark
+    }
+
+    /// Bumps the sentinel and waits for its event with nothing pending.
+    async fn settle(&mut self, run: &mut Child) {
+        let mark = self.bump_sentinel().await;
         let deadline = Instant::now() + Duration::from_secs(90);
         loop {
             if let Some(status) = run.try_wait().unwrap() {
@@ -310,15 +317,17 @@ impl MsEnv {
             .unwrap();
         match rows.first().and_then(|r| r.first()) {
             Some(SqlValue::Binary(b)) => b.clone(),
+            // Nothing captured yet: below every LSN.
+            Some(SqlValue::Null) | None => vec![],
             other => panic!("max lsn: {other:?}"),
         }
     }
 
-    /// Waits until the capture job has read everything committed so far.
+    /// Waits until the capture job has read everything committed so far
+    /// (a sentinel change committed last has a captured LSN).
     async fn wait_captured(&mut self) {
         let before = self.max_lsn().await;
-        self.exec("UPDATE dbo.customer SET row_version = row_version + 1 WHERE id = 999;")
-            .await;
+        self.bump_sentinel().await;
         let deadline = Instant::now() + Duration::from_secs(60);
         while self.max_lsn().await <= before {
             assert!(

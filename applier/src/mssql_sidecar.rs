@@ -13,7 +13,7 @@ use skein_common::config::Secret;
 use skein_common::failpoint::failpoint;
 use skein_common::mssql::MssqlClient;
 use skein_common::sqlvalue::SqlValue;
-use skein_sql::sqlserver::{qi, sidecar_ddl};
+use skein_sql::sqlserver::sidecar as sc;
 
 use crate::decide::Stored;
 use crate::error::{Error, Result};
@@ -28,7 +28,6 @@ const MAX_PARAMS: usize = 2_000;
 pub struct MssqlSidecar {
     client: MssqlClient,
     schema: String,
-    q: String,
 }
 
 fn text(v: Option<&SqlValue>) -> Option<String> {
@@ -45,7 +44,6 @@ impl MssqlSidecar {
         Ok(MssqlSidecar {
             client,
             schema: schema.to_string(),
-            q: qi(schema),
         })
     }
 
@@ -54,9 +52,9 @@ impl MssqlSidecar {
         &mut self.client
     }
 
-    /// The quoted schema.
-    pub fn schema_ident(&self) -> &str {
-        &self.q
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.schema
     }
 
     async fn rollback(&mut self) {
@@ -68,7 +66,6 @@ impl MssqlSidecar {
     }
 
     async fn commit_in_tx(&mut self, b: &BatchCommit) -> Result<i64> {
-        let q = self.q.clone();
         let partition = b.partition as i32;
         let position = b.position.to_string();
         let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
@@ -81,12 +78,7 @@ impl MssqlSidecar {
                 self.client
                     .execute(
                         "advancing progress",
-                        &format!(
-                            "UPDATE {q}.[progress] SET [position] = CAST(@P4 AS decimal(25,0)), \
-                             [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() \
-                             WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 \
-                             AND [position] = CAST(@P5 AS decimal(25,0))"
-                        ),
+                        &sc::advance_progress_sql(&self.schema),
                         &[
                             &b.group.as_str(),
                             &b.topic.as_str(),
@@ -105,13 +97,7 @@ impl MssqlSidecar {
                 self.client
                     .execute(
                         "creating progress",
-                        &format!(
-                            "INSERT INTO {q}.[progress] ([group_name], [topic], [partition], [position], \
-                             [source_commit], [source_seq]) \
-                             SELECT @P1, @P2, @P3, CAST(@P4 AS decimal(25,0)), @P5, @P6 \
-                             WHERE NOT EXISTS (SELECT 1 FROM {q}.[progress] WITH (UPDLOCK, HOLDLOCK) \
-                             WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3)"
-                        ),
+                        &sc::first_progress_sql(&self.schema),
                         &[
                             &b.group.as_str(),
                             &b.topic.as_str(),
@@ -138,13 +124,7 @@ impl MssqlSidecar {
             .client
             .query(
                 "inserting the batch row",
-                &format!(
-                    "INSERT INTO {q}.[batch] ([correlation_id], [group_name], [topic], [partition], \
-                     [lower_position], [upper_position], [record_count], [entity_count], [event_count], \
-                     [has_data_loss], [dead_letters]) OUTPUT INSERTED.[id] \
-                     VALUES (CAST(@P1 AS uniqueidentifier), @P2, @P3, @P4, CAST(@P5 AS decimal(25,0)), \
-                     CAST(@P6 AS decimal(25,0)), @P7, @P8, @P9, @P10, @P11)"
-                ),
+                &sc::batch_insert_sql(&self.schema),
                 &[
                     &b.correlation_id.as_str(),
                     &b.group.as_str(),
@@ -168,13 +148,14 @@ impl MssqlSidecar {
         // 3. Outbox rows. Identity values follow the ORDER BY of an
         // INSERT … SELECT (not the order of a VALUES list), so ids keep
         // per-aggregate order.
-        for (ci, chunk) in b.outbox.chunks(MAX_PARAMS / 7).enumerate() {
-            self.insert_outbox(batch_id, partition, ci * (MAX_PARAMS / 7), chunk)
+        let per = (MAX_PARAMS - 2) / sc::OUTBOX_PARAMS;
+        for (ci, chunk) in b.outbox.chunks(per).enumerate() {
+            self.insert_outbox(batch_id, partition, ci * per, chunk)
                 .await?;
         }
 
         // 4. Versions.
-        for chunk in b.versions.chunks(MAX_PARAMS / 4) {
+        for chunk in b.versions.chunks(MAX_PARAMS / sc::VERSION_PARAMS) {
             self.upsert_versions(chunk).await?;
         }
 
@@ -193,24 +174,14 @@ impl MssqlSidecar {
         first_ord: usize,
         rows: &[OutboxRow],
     ) -> Result<()> {
-        let q = &self.q;
         let ords: Vec<i32> = (0..rows.len())
             .map(|i| i32::try_from(first_ord + i).unwrap_or(i32::MAX))
             .collect();
-        let mut values = Vec::with_capacity(rows.len());
-        let mut params: Vec<&dyn tiberius::ToSql> = Vec::with_capacity(rows.len() * 7);
-        for (i, (o, ord)) in rows.iter().zip(&ords).enumerate() {
-            let p = i * 7;
-            values.push(format!(
-                "(@P{}, @P{}, @P{}, @P{}, @P{}, @P{}, @P{})",
-                p + 1,
-                p + 2,
-                p + 3,
-                p + 4,
-                p + 5,
-                p + 6,
-                p + 7
-            ));
+        let mut params: Vec<&dyn tiberius::ToSql> =
+            Vec::with_capacity(2 + rows.len() * sc::OUTBOX_PARAMS);
+        params.push(&batch_id);
+        params.push(&partition);
+        for (o, ord) in rows.iter().zip(&ords) {
             params.push(ord);
             params.push(&o.event_id);
             params.push(&o.entity);
@@ -219,52 +190,31 @@ impl MssqlSidecar {
             params.push(&o.event);
             params.push(&o.commit_time_micros);
         }
-        let sql = format!(
-            "INSERT INTO {q}.[outbox] ([event_id], [batch_id], [entity], [key], [partition], [etag], \
-             [event], [commit_time]) \
-             SELECT CAST(v.id AS uniqueidentifier), {batch_id}, v.entity, v.[key], {partition}, v.etag, \
-             v.event, DATEADD(microsecond, CAST(v.t % 1000000 AS int), \
-             DATEADD(second, CAST((v.t / 1000000) % 86400 AS int), \
-             DATEADD(day, CAST(v.t / 86400000000 AS int), CAST('1970-01-01' AS datetime2(6))))) \
-             FROM (VALUES {}) AS v(ord, id, entity, [key], etag, event, t) ORDER BY v.ord",
-            values.join(", ")
-        );
         self.client
-            .execute("inserting outbox rows", &sql, &params)
+            .execute(
+                "inserting outbox rows",
+                &sc::outbox_insert_sql(&self.schema, rows.len()),
+                &params,
+            )
             .await?;
         Ok(())
     }
 
     async fn upsert_versions(&mut self, rows: &[VersionRow]) -> Result<()> {
-        let q = &self.q;
-        let mut values = Vec::with_capacity(rows.len());
-        let mut params: Vec<&dyn tiberius::ToSql> = Vec::with_capacity(rows.len() * 4);
-        for (i, v) in rows.iter().enumerate() {
-            let p = i * 4;
-            values.push(format!(
-                "(@P{}, @P{}, @P{}, @P{})",
-                p + 1,
-                p + 2,
-                p + 3,
-                p + 4
-            ));
+        let mut params: Vec<&dyn tiberius::ToSql> =
+            Vec::with_capacity(rows.len() * sc::VERSION_PARAMS);
+        for v in rows {
             params.push(&v.entity);
             params.push(&v.key);
             params.push(&v.etag);
             params.push(&v.is_deleted);
         }
-        let sql = format!(
-            "MERGE {q}.[version] WITH (HOLDLOCK) AS t \
-             USING (VALUES {}) AS s(entity, [key], etag, is_deleted) \
-             ON t.[entity] = s.entity AND t.[key] = s.[key] \
-             WHEN MATCHED THEN UPDATE SET [etag] = s.etag, [is_deleted] = s.is_deleted, \
-               [updated_at] = SYSUTCDATETIME() \
-             WHEN NOT MATCHED THEN INSERT ([entity], [key], [etag], [is_deleted]) \
-               VALUES (s.entity, s.[key], s.etag, s.is_deleted);",
-            values.join(", ")
-        );
         self.client
-            .execute("upserting versions", &sql, &params)
+            .execute(
+                "upserting versions",
+                &sc::versions_merge_sql(&self.schema, rows.len()),
+                &params,
+            )
             .await?;
         Ok(())
     }
@@ -279,11 +229,7 @@ impl MssqlSidecar {
             .client
             .query(
                 "reading progress",
-                &format!(
-                    "SELECT CAST([position] AS nvarchar(40)) FROM {}.[progress] \
-                     WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
-                    self.q
-                ),
+                &sc::progress_sql(&self.schema),
                 &[&group, &topic, &partition],
             )
             .await?;
@@ -299,12 +245,7 @@ impl MssqlSidecar {
             .client
             .query(
                 "counting pending outbox rows",
-                &format!(
-                    "SELECT CAST(COUNT(*) AS bigint), \
-                     COALESCE(DATEDIFF_BIG(millisecond, MIN([enqueued_at]), SYSUTCDATETIME()), 0) \
-                     FROM {}.[outbox] WHERE [dequeued_at] IS NULL",
-                    self.q
-                ),
+                &sc::pending_sql(&self.schema),
                 &[],
             )
             .await?;
@@ -320,11 +261,7 @@ impl Sidecar for MssqlSidecar {
     /// Creates or upgrades the schema, serialised by an application lock
     /// (appliers starting together would race on `IF … CREATE TABLE`).
     async fn migrate(&mut self) -> Result<()> {
-        let sql = format!(
-            "BEGIN TRAN;\nEXEC sp_getapplock @Resource = N'skein.sidecar.migrate', \
-             @LockMode = 'Exclusive', @LockOwner = 'Transaction', @LockTimeout = 60000;\n{}\nCOMMIT TRAN;",
-            sidecar_ddl(&self.schema)
-        );
+        let sql = sc::migrate_sql(&self.schema);
         let r = self.client.batch("creating the sidecar schema", &sql).await;
         if r.is_err() {
             self.rollback().await;
@@ -342,11 +279,7 @@ impl Sidecar for MssqlSidecar {
             .client
             .query(
                 "reading progress",
-                &format!(
-                    "SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq] \
-                     FROM {}.[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
-                    self.q
-                ),
+                &sc::progress_sql(&self.schema),
                 &[&group, &topic, &(partition as i32)],
             )
             .await?;
@@ -367,7 +300,6 @@ impl Sidecar for MssqlSidecar {
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
         let mut out = HashMap::new();
         for chunk in keys.chunks(MAX_PARAMS - 1) {
-            let list: Vec<String> = (0..chunk.len()).map(|i| format!("@P{}", i + 2)).collect();
             let mut params: Vec<&dyn tiberius::ToSql> = vec![&entity];
             for k in chunk {
                 params.push(k);
@@ -376,12 +308,7 @@ impl Sidecar for MssqlSidecar {
                 .client
                 .query(
                     "reading versions",
-                    &format!(
-                        "SELECT [key], [etag], CAST([is_deleted] AS int) FROM {}.[version] \
-                         WHERE [entity] = @P1 AND [key] IN ({})",
-                        self.q,
-                        list.join(", ")
-                    ),
+                    &sc::versions_sql(&self.schema, chunk.len()),
                     &params,
                 )
                 .await?;

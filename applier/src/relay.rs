@@ -8,6 +8,7 @@ use tracing::{info, info_span, Instrument};
 
 use crate::error::{db, Result};
 use skein_common::sqlvalue::SqlValue;
+use skein_sql::sqlserver::sidecar as sc;
 
 use crate::mssql_sidecar::MssqlSidecar;
 use crate::sidecar::{AnySidecar, PgSidecar};
@@ -114,19 +115,15 @@ async fn relay_once_mssql(
     limit: i64,
     scope: &RelayScope,
 ) -> Result<usize> {
-    let q = sidecar.schema_ident().to_string();
-    let (hint, filter) = match scope {
-        RelayScope::All => ("UPDLOCK, READPAST, ROWLOCK", String::new()),
+    let schema = sidecar.schema().to_string();
+    let select = match scope {
+        RelayScope::All => sc::relay_select_sql(&schema, None),
         RelayScope::Partitions(owned) => {
             let owned: Vec<i32> = owned.lock().map(|o| o.clone()).unwrap_or_default();
             if owned.is_empty() {
                 return Ok(0);
             }
-            let list: Vec<String> = owned.iter().map(i32::to_string).collect();
-            (
-                "UPDLOCK, ROWLOCK",
-                format!(" AND [partition] IN ({})", list.join(", ")),
-            )
+            sc::relay_select_sql(&schema, Some(&owned))
         }
     };
     let client = sidecar.client();
@@ -135,14 +132,7 @@ async fn relay_once_mssql(
         .await?;
     let result = async {
         let rows = client
-            .query(
-                "reading the outbox",
-                &format!(
-                    "SELECT TOP (@P1) [id], [entity], [event] FROM {q}.[outbox] WITH ({hint}) \
-                     WHERE [dequeued_at] IS NULL{filter} ORDER BY [id]"
-                ),
-                &[&limit],
-            )
+            .query("reading the outbox", &select, &[&limit])
             .await?;
         if rows.is_empty() {
             return Ok(vec![]);
@@ -166,14 +156,10 @@ async fn relay_once_mssql(
         }
         tokio::task::block_in_place(|| sink.send(&events))?;
         failpoint("relay.after_send_before_mark");
-        let list: Vec<String> = ids.iter().map(i64::to_string).collect();
         client
             .execute(
                 "marking outbox rows dequeued",
-                &format!(
-                    "UPDATE {q}.[outbox] SET [dequeued_at] = SYSUTCDATETIME() WHERE [id] IN ({})",
-                    list.join(", ")
-                ),
+                &sc::relay_mark_sql(&schema, &ids),
                 &[],
             )
             .await?;

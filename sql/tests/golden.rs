@@ -389,3 +389,40 @@ fn sqlserver_three_levels_composite_key_one_to_one_tsql_is_frozen() {
 fn sqlserver_sidecar_ddl_is_frozen() {
     check("sqlserver_sidecar.sql", &sqlserver::sidecar_ddl("skein"));
 }
+
+#[test]
+fn sqlserver_sidecar_statements_are_frozen() {
+    use sqlserver::sidecar as sc;
+    let s = "skein";
+    let text = [
+        ("migrate", sc::migrate_sql(s)),
+        ("progress of a partition", sc::progress_sql(s)),
+        ("batch transaction 1a: fence", sc::advance_progress_sql(s)),
+        (
+            "batch transaction 1b: first progress",
+            sc::first_progress_sql(s),
+        ),
+        ("batch transaction 2: batch row", sc::batch_insert_sql(s)),
+        (
+            "batch transaction 3: two outbox rows",
+            sc::outbox_insert_sql(s, 2),
+        ),
+        (
+            "batch transaction 4: two versions",
+            sc::versions_merge_sql(s, 2),
+        ),
+        ("versions of three keys", sc::versions_sql(s, 3)),
+        ("pending outbox", sc::pending_sql(s)),
+        ("relay, all partitions", sc::relay_select_sql(s, None)),
+        (
+            "relay, owned partitions",
+            sc::relay_select_sql(s, Some(&[0, 3])),
+        ),
+        ("relay: mark dequeued", sc::relay_mark_sql(s, &[41, 42])),
+    ]
+    .iter()
+    .map(|(what, sql)| format!("-- {what}\n{sql};\n"))
+    .collect::<Vec<_>>()
+    .join("\n");
+    check("sqlserver_sidecar_statements.sql", &text);
+}
