@@ -24,7 +24,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientContext;
 use skein_applier::relay::{run_relay, RelayScope};
-use skein_applier::sidecar::{AnySidecar, Progress, Sidecar};
+use skein_applier::sidecar::{AnySidecar, Progress, Rewind, Sidecar};
 use skein_applier::{Applier, Error as ApplyError, Input, ProgressKind, Source};
 use skein_common::config::{Config, TransportKind};
 use skein_common::ChangeRecord;
@@ -581,7 +581,9 @@ fn take_rebalances(
 
 /// `skein status`: lag per stage, as JSON (stable keys, for scripts and tests).
 ///
-/// * `source`: the slot's confirmed position against the server's WAL end;
+/// * `source`: PostgreSQL, the slot's confirmed position against the
+///   server's WAL end; SQL Server, CDC's max LSN and each capture
+///   instance's min LSN (the validity interval);
 /// * `partitions`: per partition the sidecar progress and, for Kafka, the
 ///   log end and the lag between them;
 /// * `outbox`: rows not yet relayed and the age of the oldest.
@@ -611,6 +613,20 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
                     "wal_status": r.get::<_, String>(4),
                 }),
             },
+        );
+    }
+    if cfg.source.kind == skein_common::config::SourceKind::Sqlserver {
+        let mut source = skein_extractor::MssqlSource::connect(&cfg).await?;
+        let (max, mins) = source.validity_interval().await?;
+        out.insert(
+            "source".into(),
+            serde_json::json!({
+                "max_lsn": max.to_string(),
+                "capture_instances": mins
+                    .iter()
+                    .map(|(ci, min)| serde_json::json!({ "name": ci, "min_lsn": min.to_string() }))
+                    .collect::<Vec<_>>(),
+            }),
         );
     }
     let mut sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
@@ -879,50 +895,26 @@ pub async fn replay(
         println!("nothing to rewind: every selected partition is already at or before that point");
         return Ok(());
     }
-    let AnySidecar::Postgres(mut sidecar) =
-        AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?
-    else {
-        bail!(
-            "`skein replay` rewrites progress on a PostgreSQL sidecar only in this version; \
-             with the sidecar on SQL Server, stop the appliers and run in the sidecar database:\n\
-             UPDATE [{schema}].[progress] SET [position] = <offset>, [source_commit] = NULL, [source_seq] = NULL \
-             WHERE [group_name] = N'{group}' AND [topic] = N'{topic}' AND [partition] = <partition>;",
-            schema = cfg.sidecar.schema,
-            group = cfg.name,
-        );
-    };
-    let q = sidecar.schema_ident().to_string();
-    let client = sidecar.client();
-    let tx = client.transaction().await?;
+    let mut sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    sidecar
+        .rewind(&Rewind {
+            group: cfg.name.clone(),
+            topic: topic.clone(),
+            partitions: targets
+                .iter()
+                .map(|(p, (cur, to))| (*p, *cur, *to))
+                .collect(),
+            forget: if republish {
+                affected.iter().cloned().collect()
+            } else {
+                vec![]
+            },
+        })
+        .await?;
     for (p, (cur, to)) in &targets {
-        let n = tx
-            .execute(
-                &format!(
-                    "UPDATE {q}.\"progress\" SET position = $5::int8, source_commit = NULL, source_seq = NULL, updated_at = now() \
-                     WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8"
-                ),
-                &[&cfg.name, &topic, p, cur, to],
-            )
-            .await?;
-        if n != 1 {
-            bail!(
-                "partition {p}: progress moved while replaying (an applier committed); run again"
-            );
-        }
         println!("partition {p}: progress {cur} -> {to}");
     }
     if republish {
-        let mut by_entity: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for (e, k) in &affected {
-            by_entity.entry(e).or_default().push(k);
-        }
-        for (entity, keys) in &by_entity {
-            tx.execute(
-                &format!("DELETE FROM {q}.\"version\" WHERE entity = $1 AND key = ANY($2)"),
-                &[entity, keys],
-            )
-            .await?;
-        }
         println!(
             "cleared the stored versions of {} aggregate(s): they publish again",
             affected.len()
@@ -932,7 +924,6 @@ pub async fn replay(
             "stored versions kept: aggregates whose state did not change publish nothing again"
         );
     }
-    tx.commit().await?;
     warn!(group = %group, topic = %topic, republish, partitions = ?targets.keys().collect::<Vec<_>>(), "progress rewound");
     Ok(())
 }

@@ -402,6 +402,20 @@ pub fn is_postgres_url(url: &str) -> bool {
     u.starts_with("postgres://") || u.starts_with("postgresql://")
 }
 
+/// What `skein replay` changes, in one transaction.
+#[derive(Clone, Debug, Default)]
+pub struct Rewind {
+    /// Progress group.
+    pub group: String,
+    /// The Kafka topic.
+    pub topic: String,
+    /// Per partition: its current offset and the offset to go back to.
+    pub partitions: Vec<(i32, i64, i64)>,
+    /// `(entity, canonical key)`s whose stored versions are forgotten
+    /// (`--republish`), so each publishes once more.
+    pub forget: Vec<(String, String)>,
+}
+
 /// The configured sidecar, whichever database it runs on.
 pub enum AnySidecar {
     /// PostgreSQL.
@@ -441,6 +455,108 @@ impl AnySidecar {
                 Ok((row.get(0), row.get(1)))
             }
             AnySidecar::SqlServer(s) => s.pending().await,
+        }
+    }
+}
+
+impl AnySidecar {
+    /// Applies a [`Rewind`] atomically. A partition whose progress is no
+    /// longer its current offset (an applier committed meanwhile) aborts it
+    /// all with an error: nothing is changed.
+    pub async fn rewind(&mut self, r: &Rewind) -> Result<()> {
+        let moved = |p: i32| {
+            Error::Data(format!(
+                "partition {p}: progress moved while replaying (an applier committed); run again"
+            ))
+        };
+        let mut by_entity: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+        for (e, k) in &r.forget {
+            by_entity.entry(e).or_default().push(k);
+        }
+        match self {
+            AnySidecar::Postgres(s) => {
+                let q = s.schema_ident().to_string();
+                let tx = s
+                    .client()
+                    .transaction()
+                    .await
+                    .map_err(db("beginning the replay transaction"))?;
+                for (p, cur, to) in &r.partitions {
+                    let n = tx
+                        .execute(
+                            &format!(
+                                "UPDATE {q}.\"progress\" SET position = $5::int8, source_commit = NULL, \
+                                 source_seq = NULL, updated_at = now() \
+                                 WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8"
+                            ),
+                            &[&r.group, &r.topic, p, cur, to],
+                        )
+                        .await
+                        .map_err(db("rewinding progress"))?;
+                    if n != 1 {
+                        return Err(moved(*p));
+                    }
+                }
+                for (entity, keys) in &by_entity {
+                    tx.execute(
+                        &format!("DELETE FROM {q}.\"version\" WHERE entity = $1 AND key = ANY($2)"),
+                        &[entity, keys],
+                    )
+                    .await
+                    .map_err(db("forgetting versions"))?;
+                }
+                tx.commit().await.map_err(db("committing the replay"))
+            }
+            AnySidecar::SqlServer(s) => {
+                use skein_sql::sqlserver::sidecar as sc;
+                let schema = s.schema().to_string();
+                let client = s.client();
+                client
+                    .batch("beginning the replay transaction", "BEGIN TRAN;")
+                    .await?;
+                let result: Result<()> = async {
+                    for (p, cur, to) in &r.partitions {
+                        let n = client
+                            .execute(
+                                "rewinding progress",
+                                &sc::rewind_sql(&schema),
+                                &[&r.group.as_str(), &r.topic.as_str(), p, cur, to],
+                            )
+                            .await?;
+                        if n != 1 {
+                            return Err(moved(*p));
+                        }
+                    }
+                    for (entity, keys) in &by_entity {
+                        for chunk in keys.chunks(1_000) {
+                            let mut params: Vec<&dyn tiberius::ToSql> = vec![entity];
+                            for k in chunk {
+                                params.push(k);
+                            }
+                            client
+                                .execute(
+                                    "forgetting versions",
+                                    &sc::forget_versions_sql(&schema, chunk.len()),
+                                    &params,
+                                )
+                                .await?;
+                        }
+                    }
+                    Ok(())
+                }
+                .await;
+                match result {
+                    Ok(()) => Ok(client
+                        .batch("committing the replay", "COMMIT TRAN;")
+                        .await?),
+                    Err(e) => {
+                        let _ = client
+                            .batch("rolling back", "IF @@TRANCOUNT > 0 ROLLBACK TRAN;")
+                            .await;
+                        Err(e)
+                    }
+                }
+            }
         }
     }
 }

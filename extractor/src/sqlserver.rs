@@ -566,6 +566,16 @@ impl MssqlSource {
         self.min_lsns().await.map(|_| ())
     }
 
+    /// For `skein status`: the highest LSN CDC has written and each capture
+    /// instance's lowest (what cleanup has not removed yet).
+    pub async fn validity_interval(
+        &mut self,
+    ) -> Result<(SqlServerLsn, Vec<(String, SqlServerLsn)>)> {
+        self.check_cdc().await?;
+        let mins = self.min_lsns().await?;
+        Ok((self.max_lsn().await?, mins))
+    }
+
     /// The highest LSN CDC has written (`skein marker reset --latest`).
     pub async fn current_max_lsn(&mut self) -> Result<SqlServerLsn> {
         self.max_lsn().await

@@ -657,6 +657,29 @@ pub mod sidecar {
         )
     }
 
+    /// `skein replay`: moves a partition's progress (`@P1` group, `@P2`
+    /// topic, `@P3` partition) from offset `@P4` back to `@P5`, forgetting
+    /// the last source change; affects 0 rows when progress moved meanwhile.
+    pub fn rewind_sql(schema: &str) -> String {
+        format!(
+            "UPDATE {}.[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, \
+             [updated_at] = SYSUTCDATETIME() \
+             WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4",
+            qi(schema)
+        )
+    }
+
+    /// `skein replay --republish`: forgets the stored versions of `keys`
+    /// keys of entity `@P1` (keys from `@P2`), so they publish again.
+    pub fn forget_versions_sql(schema: &str, keys: usize) -> String {
+        let list: Vec<String> = (0..keys).map(|i| format!("@P{}", i + 2)).collect();
+        format!(
+            "DELETE FROM {}.[version] WHERE [entity] = @P1 AND [key] IN ({})",
+            qi(schema),
+            list.join(", ")
+        )
+    }
+
     /// Marks relayed rows dequeued (ids are numbers read from the outbox).
     pub fn relay_mark_sql(schema: &str, ids: &[i64]) -> String {
         let list: Vec<String> = ids.iter().map(i64::to_string).collect();

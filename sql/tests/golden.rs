@@ -419,6 +419,11 @@ fn sqlserver_sidecar_statements_are_frozen() {
             sc::relay_select_sql(s, Some(&[0, 3])),
         ),
         ("relay: mark dequeued", sc::relay_mark_sql(s, &[41, 42])),
+        ("replay: rewind a partition", sc::rewind_sql(s)),
+        (
+            "replay --republish: forget two versions",
+            sc::forget_versions_sql(s, 2),
+        ),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))

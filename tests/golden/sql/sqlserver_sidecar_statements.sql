@@ -106,3 +106,9 @@ SELECT TOP (@P1) [id], [entity], [event] FROM [skein].[outbox] WITH (UPDLOCK, RO
 
 -- relay: mark dequeued
 UPDATE [skein].[outbox] SET [dequeued_at] = SYSUTCDATETIME() WHERE [id] IN (41, 42);
+
+-- replay: rewind a partition
+UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;
+
+-- replay --republish: forget two versions
+DELETE FROM [skein].[version] WHERE [entity] = @P1 AND [key] IN (@P2, @P3);
