@@ -719,3 +719,37 @@ async fn mssql_sidecar_on_sql_server_commits_each_event_once() {
     assert_eq!(rows[0][0], rows[0][1], "event ids are unique");
     assert_eq!(rows[0][0], SqlValue::Int(2));
 }
+
+/// Runs everywhere (no SQL Server needed): the TDS client fails with the
+/// address in the message when nothing listens, and with an error, not a
+/// hang or a panic, when something else answers (PostgreSQL here).
+#[tokio::test(flavor = "multi_thread")]
+async fn sqlserver_client_errors_are_clear_without_a_server() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let e = MssqlClient::connect(&format!(
+        "server=tcp:127.0.0.1,{port};user=u;password=p;TrustServerCertificate=true"
+    ))
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+    assert!(e.is_retryable(), "a refused connection may come back: {e}");
+
+    let pg = admin_url();
+    let hostport = pg
+        .split('@')
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .unwrap()
+        .replace(':', ",");
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        MssqlClient::connect(&format!(
+            "server=tcp:{hostport};user=u;password=p;TrustServerCertificate=true"
+        )),
+    )
+    .await
+    .expect("a non-TDS peer must not hang the client");
+    assert!(r.is_err(), "PostgreSQL is not a SQL Server");
+}
