@@ -5,6 +5,7 @@ COPY . .
 RUN cargo build --locked --release --bin skein
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates postgresql-client && rm -rf /var/lib/apt/lists/*
+# ca-certificates: rustls reads the system roots (SQL Server TLS, Kafka SSL).
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/skein /usr/local/bin/skein
 ENTRYPOINT ["skein"]
