@@ -177,14 +177,17 @@ pub fn changes_sql(capture_instance: &str, columns: &[String]) -> String {
 /// instances, in order: enough for [`cap_window`] to close the batch at an
 /// LSN boundary. Instance `i` is read from `@P(3+i)` (the marker's
 /// successor, or the instance's own minimum when that is later: the
-/// function refuses a start before it).
+/// function refuses a start before it). Each instance contributes at most
+/// `@P2` + 1 rows itself, so sizing a batch costs the batch, not the
+/// backlog behind it.
 pub fn window_sql(capture_instances: &[String]) -> String {
     let unions: Vec<String> = capture_instances
         .iter()
         .enumerate()
         .map(|(i, ci)| {
             format!(
-                "    SELECT [__$start_lsn] AS [lsn] FROM cdc.{}(@P{}, @P1, N'all update old')",
+                "    SELECT b{i}.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] \
+                 FROM cdc.{}(@P{}, @P1, N'all update old') ORDER BY [__$start_lsn]) b{i}",
                 qi(&format!("fn_cdc_get_all_changes_{ci}")),
                 i + 3
             )

@@ -58,13 +58,13 @@ SELECT ct.capture_instance, ct.start_lsn, ct.create_date FROM cdc.change_tables 
 -- the batch cap
 SELECT TOP (@P2 + 1) u.[lsn]
 FROM (
-    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P3, @P1, N'all update old')
+    SELECT b0.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P3, @P1, N'all update old') ORDER BY [__$start_lsn]) b0
     UNION ALL
-    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P4, @P1, N'all update old')
+    SELECT b1.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P4, @P1, N'all update old') ORDER BY [__$start_lsn]) b1
     UNION ALL
-    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P5, @P1, N'all update old')
+    SELECT b2.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P5, @P1, N'all update old') ORDER BY [__$start_lsn]) b2
     UNION ALL
-    SELECT [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P6, @P1, N'all update old')
+    SELECT b3.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P6, @P1, N'all update old') ORDER BY [__$start_lsn]) b3
 ) u
 ORDER BY u.[lsn];
 
