@@ -57,14 +57,6 @@ impl MssqlSidecar {
         &self.schema
     }
 
-    async fn rollback(&mut self) {
-        // Best effort: with XACT_ABORT the server may have rolled back already.
-        let _ = self
-            .client
-            .batch("rolling back", "IF @@TRANCOUNT > 0 ROLLBACK TRAN;")
-            .await;
-    }
-
     async fn commit_in_tx(&mut self, b: &BatchCommit) -> Result<i64> {
         let partition = b.partition as i32;
         let position = b.position.to_string();
@@ -111,7 +103,10 @@ impl MssqlSidecar {
             }
         };
         if moved != 1 {
-            let found = self.read_position(&b.group, &b.topic, partition).await?;
+            let found = self
+                .progress(&b.group, &b.topic, b.partition)
+                .await?
+                .map(|p| p.position);
             return Err(Error::Fenced {
                 partition: b.partition,
                 expected: b.expected,
@@ -161,9 +156,7 @@ impl MssqlSidecar {
 
         failpoint("applier.before_commit");
         // 5. Commit: everything above becomes visible at once, or none of it.
-        self.client
-            .batch("committing the batch", "COMMIT TRAN;")
-            .await?;
+        self.client.commit("committing the batch").await?;
         Ok(batch_id)
     }
 
@@ -219,26 +212,6 @@ impl MssqlSidecar {
         Ok(())
     }
 
-    async fn read_position(
-        &mut self,
-        group: &str,
-        topic: &str,
-        partition: i32,
-    ) -> Result<Option<i128>> {
-        let rows = self
-            .client
-            .query(
-                "reading progress",
-                &sc::progress_sql(&self.schema),
-                &[&group, &topic, &partition],
-            )
-            .await?;
-        rows.first()
-            .and_then(|r| text(r.first()))
-            .map(|s| parse_numeric(&s))
-            .transpose()
-    }
-
     /// Pending outbox rows and the age of the oldest, in milliseconds.
     pub async fn pending(&mut self) -> Result<(i64, i64)> {
         let rows = self
@@ -264,7 +237,7 @@ impl Sidecar for MssqlSidecar {
         let sql = sc::migrate_sql(&self.schema);
         let r = self.client.batch("creating the sidecar schema", &sql).await;
         if r.is_err() {
-            self.rollback().await;
+            self.client.rollback_quietly().await;
         }
         Ok(r?)
     }
@@ -328,16 +301,14 @@ impl Sidecar for MssqlSidecar {
     /// Read top to bottom: `BEGIN TRAN`, then [`MssqlSidecar::commit_in_tx`]
     /// (fence, batch row, outbox, versions, `COMMIT`), rolled back on any error.
     async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
-        self.client
-            .batch("beginning the batch transaction", "BEGIN TRAN;")
-            .await?;
+        self.client.begin("beginning the batch transaction").await?;
         match self.commit_in_tx(b).await {
             Ok(id) => {
                 failpoint("applier.after_commit");
                 Ok(id)
             }
             Err(e) => {
-                self.rollback().await;
+                self.client.rollback_quietly().await;
                 Err(e)
             }
         }

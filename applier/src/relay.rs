@@ -127,9 +127,7 @@ async fn relay_once_mssql(
         }
     };
     let client = sidecar.client();
-    client
-        .batch("beginning the relay transaction", "BEGIN TRAN;")
-        .await?;
+    client.begin("beginning the relay transaction").await?;
     let result = async {
         let rows = client
             .query("reading the outbox", &select, &[&limit])
@@ -168,15 +166,11 @@ async fn relay_once_mssql(
     .await;
     match result {
         Ok(ids) => {
-            client
-                .batch("committing the relay transaction", "COMMIT TRAN;")
-                .await?;
+            client.commit("committing the relay transaction").await?;
             Ok(ids.len())
         }
         Err(e) => {
-            let _ = client
-                .batch("rolling back", "IF @@TRANCOUNT > 0 ROLLBACK TRAN;")
-                .await;
+            client.rollback_quietly().await;
             Err(e)
         }
     }

@@ -511,9 +511,7 @@ impl AnySidecar {
                 use skein_sql::sqlserver::sidecar as sc;
                 let schema = s.schema().to_string();
                 let client = s.client();
-                client
-                    .batch("beginning the replay transaction", "BEGIN TRAN;")
-                    .await?;
+                client.begin("beginning the replay transaction").await?;
                 let result: Result<()> = async {
                     for (p, cur, to) in &r.partitions {
                         let n = client
@@ -546,13 +544,9 @@ impl AnySidecar {
                 }
                 .await;
                 match result {
-                    Ok(()) => Ok(client
-                        .batch("committing the replay", "COMMIT TRAN;")
-                        .await?),
+                    Ok(()) => Ok(client.commit("committing the replay").await?),
                     Err(e) => {
-                        let _ = client
-                            .batch("rolling back", "IF @@TRANCOUNT > 0 ROLLBACK TRAN;")
-                            .await;
+                        client.rollback_quietly().await;
                         Err(e)
                     }
                 }

@@ -308,6 +308,25 @@ impl MssqlClient {
         Ok(())
     }
 
+    /// Opens a transaction on this connection (`BEGIN TRAN`).
+    pub async fn begin(&mut self, what: &str) -> Result<(), MssqlError> {
+        self.batch(what, "BEGIN TRAN;").await
+    }
+
+    /// Commits the open transaction.
+    pub async fn commit(&mut self, what: &str) -> Result<(), MssqlError> {
+        self.batch(what, "COMMIT TRAN;").await
+    }
+
+    /// Rolls back the open transaction, if any. Best effort: with
+    /// `XACT_ABORT` the server may have rolled back already, and a broken
+    /// connection rolls back on the server when it closes.
+    pub async fn rollback_quietly(&mut self) {
+        let _ = self
+            .batch("rolling back", "IF @@TRANCOUNT > 0 ROLLBACK TRAN;")
+            .await;
+    }
+
     /// Runs a batch without parameters (DDL, `SET`, temp tables), discarding
     /// any result.
     pub async fn batch(&mut self, what: &str, sql: &str) -> Result<(), MssqlError> {
