@@ -656,12 +656,11 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
         let progress: serde_json::Value = match (pr, cfg.transport.kind) {
             (None, _) => serde_json::Value::Null,
             (Some(x), TransportKind::Kafka) => x.offset().into(),
-            (Some(x), TransportKind::InProcess) => {
-                skein_common::SourcePosition::from_numeric(cfg.source.kind.dialect(), x.position)
-                    .map(|s| s.to_string())
-                    .unwrap_or_else(|_| x.position.to_string())
-                    .into()
-            }
+            (Some(x), TransportKind::InProcess) => skein_common::SourcePosition::describe_numeric(
+                cfg.source.kind.dialect(),
+                x.position,
+            )
+            .into(),
         };
         let mut v = serde_json::json!({ "partition": p, "progress": progress });
         if let Some(ends) = &ends {

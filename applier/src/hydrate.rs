@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use crate::connect_postgres;
 use serde_json::{Map, Value};
 use skein_common::config::{Cardinality, Config, EntityConfig, SourceKind, TableNode};
 use skein_common::mssql::MssqlClient;
@@ -16,8 +17,6 @@ use skein_common::sqlvalue::SqlValue;
 use skein_common::{Dialect, RootKey};
 use skein_sql::postgres::{hydrate_sql, referenced_columns};
 use skein_sql::{sqlserver, Catalog};
-use tokio_postgres::NoTls;
-use tracing::debug;
 
 use crate::decide::{Current, DeletePayload};
 use crate::error::{db, Error, Result};
@@ -41,14 +40,7 @@ impl Source {
     pub async fn connect(cfg: &Config) -> Result<Source> {
         match cfg.source.kind {
             SourceKind::Postgres => {
-                let (client, conn) = tokio_postgres::connect(cfg.source.url.expose(), NoTls)
-                    .await
-                    .map_err(db("connecting to the source"))?;
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        debug!(error = %e, "source connection closed");
-                    }
-                });
+                let client = connect_postgres(cfg.source.url.expose(), "source").await?;
                 client
                     .batch_execute(SESSION_SETTINGS)
                     .await

@@ -38,6 +38,23 @@ pub use hydrate::Source;
 use sidecar::{BatchCommit, OutboxRow, Progress, Sidecar, VersionRow};
 use skein_common::failpoint::failpoint;
 
+/// Opens a PostgreSQL connection (`what`: "source", "sidecar"); its
+/// connection task is spawned and ends when the client is dropped.
+pub(crate) async fn connect_postgres(
+    url: &str,
+    what: &'static str,
+) -> Result<tokio_postgres::Client> {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .map_err(error::db(format!("connecting to the {what}")))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "{what} connection closed");
+        }
+    });
+    Ok(client)
+}
+
 /// Progress topic name used by the in-process transport.
 pub const IN_PROCESS_TOPIC: &str = "in-process";
 
@@ -284,9 +301,7 @@ impl<S: Sidecar> Applier<S> {
         };
         let upper = match input.kind {
             ProgressKind::Source => {
-                SourcePosition::from_numeric(self.cfg.source.kind.dialect(), input.upper)
-                    .map(|p| p.to_string())
-                    .unwrap_or_else(|_| input.upper.to_string())
+                SourcePosition::describe_numeric(self.cfg.source.kind.dialect(), input.upper)
             }
             ProgressKind::Offset => format!("offset {}", input.upper),
         };

@@ -3,13 +3,12 @@
 
 use std::collections::HashMap;
 
+use crate::connect_postgres;
 use skein_common::config::Secret;
 use skein_common::failpoint::failpoint;
 use skein_common::position::ChangePosition;
 use skein_sql::postgres::sidecar_ddl;
 use skein_sql::quote_ident;
-use tokio_postgres::NoTls;
-use tracing::debug;
 
 use crate::decide::Stored;
 use crate::error::{db, Error, Result};
@@ -159,14 +158,7 @@ pub struct PgSidecar {
 impl PgSidecar {
     /// Connects.
     pub async fn connect(url: &Secret, schema: &str) -> Result<PgSidecar> {
-        let (client, conn) = tokio_postgres::connect(url.expose(), NoTls)
-            .await
-            .map_err(db("connecting to the sidecar"))?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                debug!(error = %e, "sidecar connection closed");
-            }
-        });
+        let client = connect_postgres(url.expose(), "sidecar").await?;
         Ok(PgSidecar {
             client,
             schema: schema.to_string(),

@@ -243,6 +243,14 @@ impl SourcePosition {
         }
     }
 
+    /// A stored numeric position shown as the source shows it; the number
+    /// itself when it is not a position of `dialect` (logs and status only).
+    pub fn describe_numeric(dialect: Dialect, v: i128) -> String {
+        SourcePosition::from_numeric(dialect, v)
+            .map(|p| p.to_string())
+            .unwrap_or_else(|_| v.to_string())
+    }
+
     /// The PostgreSQL LSN, or an error naming what was found instead.
     pub fn pg(self) -> Result<PgLsn> {
         match self {
@@ -353,6 +361,14 @@ mod tests {
         assert!(pg.sqlserver().is_err());
         assert!(SourcePosition::from_numeric(Dialect::Postgres, -1).is_err());
         assert!(SourcePosition::from_numeric(Dialect::SqlServer, 1i128 << 80).is_err());
+        assert_eq!(
+            SourcePosition::describe_numeric(Dialect::Postgres, 0x16B3748),
+            "0/16B3748"
+        );
+        assert_eq!(
+            SourcePosition::describe_numeric(Dialect::Postgres, -1),
+            "-1"
+        );
         // serde keeps the PostgreSQL marker format of earlier releases.
         assert_eq!(serde_json::to_string(&pg).unwrap(), "\"0/16B3748\"");
     }
