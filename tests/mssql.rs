@@ -33,7 +33,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{admin_url, assert_golden, connect, recreate_db, root, BIN};
+use common::{admin_url, assert_exactly_once_in, assert_golden, connect, recreate_db, root, BIN};
 use serde_json::Value;
 use skein_common::mssql::MssqlClient;
 use skein_common::sqlvalue::SqlValue;
@@ -285,27 +285,7 @@ impl MsEnv {
 
     /// Unique ids, file ⊆ outbox, no aggregate twice in a row with one etag.
     async fn assert_exactly_once(&self) {
-        let outbox = self.outbox().await;
-        let mut ids = std::collections::HashSet::new();
-        let mut last: std::collections::HashMap<String, Value> = Default::default();
-        for e in &outbox {
-            assert!(ids.insert(e["id"].to_string()), "duplicate id {}", e["id"]);
-            let subject = e["subject"].as_str().unwrap().to_string();
-            if let Some(prev) = last.get(&subject) {
-                assert!(
-                    prev["etag"] != e["etag"],
-                    "{subject} published twice: {prev} / {e}"
-                );
-            }
-            last.insert(subject, e.clone());
-        }
-        for e in self.events() {
-            assert!(
-                ids.contains(&e["id"].to_string()),
-                "{} not in the outbox",
-                e["id"]
-            );
-        }
+        assert_exactly_once_in(&self.outbox().await, &self.events());
     }
 
     /// The highest LSN CDC has written (to force cleanup in data-loss tests).

@@ -546,16 +546,20 @@ pub fn assert_golden(name: &str, events: &[Value]) {
 /// every file event in the outbox, no aggregate published twice in a row
 /// with the same etag (a delete has none, so two deletes in a row count).
 pub async fn assert_exactly_once(env: &Env) {
-    let outbox = env.outbox().await;
+    assert_exactly_once_in(&env.outbox().await, &env.events());
+}
+
+/// [`assert_exactly_once`] over given outbox (id order) and file events.
+pub fn assert_exactly_once_in(outbox: &[Value], events: &[Value]) {
     let mut ids = std::collections::HashSet::new();
-    for e in &outbox {
+    for e in outbox {
         assert!(
             ids.insert(e["id"].as_str().unwrap().to_string()),
             "duplicate event id {}",
             e["id"]
         );
     }
-    for e in env.events() {
+    for e in events {
         assert!(
             ids.contains(e["id"].as_str().unwrap()),
             "file event {} is not in the outbox",
@@ -563,7 +567,7 @@ pub async fn assert_exactly_once(env: &Env) {
         );
     }
     let mut last: std::collections::HashMap<String, Value> = Default::default();
-    for e in &outbox {
+    for e in outbox {
         let subject = e["subject"].as_str().unwrap().to_string();
         if let Some(prev) = last.get(&subject) {
             assert!(
