@@ -582,30 +582,31 @@ impl MssqlSource {
     }
 
     async fn min_lsns(&mut self) -> Result<Vec<(String, SqlServerLsn)>> {
-        let mut out = vec![];
-        for i in self.instances.clone() {
-            let rows = self
-                .client
-                .query(
-                    &format!("reading the validity interval of {}", i.name),
-                    skein_sql::sqlserver::MIN_LSN_SQL,
-                    &[&i.name.as_str()],
-                )
-                .await?;
-            let min = lsn_of(
-                rows.first()
-                    .and_then(|r| r.first())
-                    .unwrap_or(&SqlValue::Null),
-                "min LSN",
-            )?;
+        if self.instances.is_empty() {
+            return Ok(vec![]);
+        }
+        let names: Vec<&str> = self.instances.iter().map(|i| i.name.as_str()).collect();
+        let params: Vec<&dyn tiberius::ToSql> =
+            names.iter().map(|n| n as &dyn tiberius::ToSql).collect();
+        let rows = self
+            .client
+            .query(
+                "reading the validity intervals",
+                &skein_sql::sqlserver::min_lsns_sql(names.len()),
+                &params,
+            )
+            .await?;
+        let row = rows.first().map(Vec::as_slice).unwrap_or_default();
+        let mut out = Vec::with_capacity(names.len());
+        for (i, name) in names.iter().enumerate() {
+            let min = lsn_of(row.get(i).unwrap_or(&SqlValue::Null), "min LSN")?;
             if min == SqlServerLsn::ZERO {
                 return Err(self.not_ready(format!(
-                    "capture instance `{}` is not readable (sys.fn_cdc_get_min_lsn returned 0): \
-                     it does not exist or the login may not read it",
-                    i.name
+                    "capture instance `{name}` is not readable (sys.fn_cdc_get_min_lsn returned 0): \
+                     it does not exist or the login may not read it"
                 )));
             }
-            out.push((i.name, min));
+            out.push((name.to_string(), min));
         }
         Ok(out)
     }

@@ -81,9 +81,15 @@ pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
 /// The highest LSN CDC has written (`upper` of the next window).
 pub const MAX_LSN_SQL: &str = "SELECT sys.fn_cdc_get_max_lsn()";
 
-/// The lowest LSN still held for a capture instance (`@P1`); a marker below
-/// it means cleanup removed changes skein had not read.
-pub const MIN_LSN_SQL: &str = "SELECT sys.fn_cdc_get_min_lsn(@P1)";
+/// The lowest LSN still held by each of `n` capture instances (`@P1…`),
+/// one column each, in one round trip (it runs before every batch); a
+/// marker below one means cleanup removed changes skein had not read.
+pub fn min_lsns_sql(n: usize) -> String {
+    let cols: Vec<String> = (1..=n)
+        .map(|i| format!("sys.fn_cdc_get_min_lsn(@P{i})"))
+        .collect();
+    format!("SELECT {}", cols.join(", "))
+}
 
 /// Whether CDC is enabled on the database and which capture instances
 /// exist for a table (`@P1` schema, `@P2` table), newest first.
