@@ -166,14 +166,6 @@ impl MssqlError {
             tiberius::error::Error::Io { .. } | tiberius::error::Error::Routing { .. }
         )
     }
-
-    /// The server's error number, when the server raised it.
-    pub fn server_code(&self) -> Option<u32> {
-        match &self.source {
-            tiberius::error::Error::Server(t) => Some(t.code()),
-            _ => None,
-        }
-    }
 }
 
 fn ctx(context: impl Into<String>) -> impl FnOnce(tiberius::error::Error) -> MssqlError {

@@ -197,14 +197,6 @@ pub enum SourcePosition {
 }
 
 impl SourcePosition {
-    /// "Before everything" in a dialect.
-    pub fn zero(dialect: Dialect) -> SourcePosition {
-        match dialect {
-            Dialect::Postgres => SourcePosition::Pg(PgLsn::ZERO),
-            Dialect::SqlServer => SourcePosition::SqlServer(SqlServerLsn::ZERO),
-        }
-    }
-
     /// The dialect.
     pub fn dialect(self) -> Dialect {
         match self {
