@@ -179,17 +179,18 @@ impl EntityHydrator {
     ) -> Result<Vec<Current>> {
         let width = self.root_key.len();
         let what = format!("hydrating {}", self.entity.name);
-        client
-            .batch(&what, &sqlserver::keys_table_sql(width))
-            .await?;
         let tuples: Vec<Vec<Option<String>>> = keys
             .iter()
             .map(|k| (0..width).map(|c| k.0.get(c).cloned().flatten()).collect())
             .collect();
         client
-            .insert_tuples(&what, &tuples, sqlserver::keys_per_insert(width), |rows| {
-                sqlserver::keys_insert_sql(width, rows)
-            })
+            .fill_temp_table(
+                &what,
+                &sqlserver::keys_table_sql(width),
+                &tuples,
+                sqlserver::keys_per_insert(width),
+                |rows| sqlserver::keys_insert_sql(width, rows),
+            )
             .await?;
         let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
         for (i, sql) in self.sql.iter().enumerate() {

@@ -272,16 +272,20 @@ impl MssqlClient {
             .total())
     }
 
-    /// Inserts `tuples` as `(ord, v0, v1, …)` rows, `ord` from 1, with
-    /// `insert_sql(rows)` statements of at most `per_statement` rows each
-    /// (a request takes at most 2,100 parameters).
-    pub async fn insert_tuples(
+    /// (Re)creates a session temp table with `create_sql` and fills it with
+    /// `tuples` as `(ord, v0, v1, …)` rows, `ord` from 1, by `insert_sql(rows)`
+    /// statements of at most `per_statement` rows each (a request takes at
+    /// most 2,100 parameters). The create runs as a plain batch, not through
+    /// `sp_executesql`, so the table outlives it for the session's queries.
+    pub async fn fill_temp_table(
         &mut self,
         what: &str,
+        create_sql: &str,
         tuples: &[Vec<Option<String>>],
         per_statement: usize,
         insert_sql: impl Fn(usize) -> String,
     ) -> Result<(), MssqlError> {
+        self.batch(what, create_sql).await?;
         for (ci, chunk) in tuples.chunks(per_statement.max(1)).enumerate() {
             let base = ci * per_statement.max(1);
             let ords: Vec<i32> = (0..chunk.len())

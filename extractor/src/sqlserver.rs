@@ -724,11 +724,9 @@ impl MssqlSource {
             let what = format!("resolving roots of {}", node.qualified());
             let lookup = skein_sql::sqlserver::lookup_sql(&plan.nodes, g.node, &self.catalog);
             self.client
-                .batch(&what, &skein_sql::sqlserver::lookup_table_sql(width))
-                .await?;
-            self.client
-                .insert_tuples(
+                .fill_temp_table(
                     &what,
+                    &skein_sql::sqlserver::lookup_table_sql(width),
                     &g.values,
                     skein_sql::sqlserver::keys_per_insert(width),
                     |rows| {
