@@ -7,10 +7,13 @@
 //!   [`SqlServerLsn`]) and the per-change [`ChangePosition`];
 //! * [`record`]: the [`ChangeRecord`] the transporter carries, the
 //!   [`RootKey`] of an aggregate and the frozen partitioning function;
+//! * [`checkpoint`]: an applier's typed progress ([`Checkpoint`]: a source
+//!   position or a transport offset);
 //! * [`json`]: canonical JSON and the SHA-256 version hash (etag).
 //!
 //! Nothing here does I/O except [`Config::load`] reading its file.
 
+pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod failpoint;
@@ -20,6 +23,7 @@ pub mod position;
 pub mod record;
 pub mod sqlvalue;
 
+pub use checkpoint::{Checkpoint, CheckpointKind};
 pub use config::Config;
 pub use error::{Error, Result};
 pub use position::{ChangePosition, Dialect, PgLsn, SourcePosition, SqlServerLsn};
