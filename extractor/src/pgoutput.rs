@@ -4,11 +4,10 @@
 //! pgoutput message as raw bytes; this module turns those bytes into plain
 //! data. A malformed message is an error with context, never a panic.
 
-use std::collections::HashMap;
-
 use bytes::{Buf, Bytes};
 
 use crate::error::{Error, Result};
+use crate::resolve::RowImage;
 
 /// One column of a relation, as announced by a Relation message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -202,13 +201,10 @@ pub fn decode(data: &Bytes) -> Result<Message> {
     }
 }
 
-/// A row image as column name → text value (`None` = NULL). Unchanged
-/// TOAST values are left out: they are never key or join columns in practice,
-/// and a missing column is reported by the resolver.
-pub type Image = HashMap<String, Option<String>>;
-
-/// Turns a tuple into an [`Image`] using the relation's column names.
-pub fn image(rel: &Relation, values: &[Value]) -> Image {
+/// Turns a tuple into a [`RowImage`] using the relation's column names.
+/// Unchanged TOAST values are left out: they are never key or join columns
+/// in practice, and a missing column is reported by the resolver.
+pub fn image(rel: &Relation, values: &[Value]) -> RowImage {
     rel.columns
         .iter()
         .zip(values)

@@ -15,7 +15,6 @@ use skein_sql::postgres::direct_root_mapping;
 use skein_sql::Catalog;
 
 use crate::error::{Error, Result};
-use crate::pgoutput::Image;
 
 /// The tables of one entity, with what resolution needs precomputed.
 #[derive(Clone, Debug)]
@@ -66,7 +65,13 @@ pub enum Resolved {
     },
 }
 
-fn take(img: &Image, cols: &[String], table: &str) -> Result<Vec<Option<String>>> {
+/// A row image, whichever the dialect: column name → the value as text
+/// (`None` = NULL), as the source's change stream gives it (pgoutput's text
+/// format, or SQL Server CDC cells decoded to the same formats). Only key
+/// and join columns are needed.
+pub type RowImage = std::collections::HashMap<String, Option<String>>;
+
+fn take(img: &RowImage, cols: &[String], table: &str) -> Result<Vec<Option<String>>> {
     cols.iter()
         .map(|c| {
             img.get(c).cloned().ok_or_else(|| {
@@ -88,8 +93,8 @@ pub fn resolve(
     plan: &EntityPlan,
     node: usize,
     op: Op,
-    old: Option<&Image>,
-    new: Option<&Image>,
+    old: Option<&RowImage>,
+    new: Option<&RowImage>,
 ) -> Result<Resolved> {
     let n = &plan.nodes[node];
     let table = n.qualified();
@@ -157,9 +162,9 @@ pub struct RawChange {
     /// Operation on the row itself.
     pub op: Op,
     /// Before image, when sent.
-    pub old: Option<Image>,
+    pub old: Option<RowImage>,
     /// After image, when sent.
-    pub new: Option<Image>,
+    pub new: Option<RowImage>,
 }
 
 /// What a change record says about its transaction.
@@ -369,7 +374,7 @@ entities:
         EntityPlan::new("customer", cfg.entities[0].nodes(), &cat)
     }
 
-    fn img(pairs: &[(&str, Option<&str>)]) -> Image {
+    fn img(pairs: &[(&str, Option<&str>)]) -> RowImage {
         pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.map(str::to_string)))

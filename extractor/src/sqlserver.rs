@@ -27,7 +27,7 @@ use skein_sql::{Catalog, ColumnInfo, TableInfo};
 use tracing::warn;
 
 use crate::error::{Error, Result};
-use crate::pgoutput::Image;
+use crate::resolve::RowImage;
 use crate::resolve::{BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
 use crate::{BatchLimits, ChangeSource, ReadBatch, StartPoint};
 
@@ -783,7 +783,7 @@ pub fn tx_id_of(tran_id: &[u8]) -> u64 {
 
 /// Turns one paired change into the images resolution reads (column texts).
 pub fn raw_change(inst: &Instance, c: &CdcChange) -> RawChange {
-    let image = |vals: &Option<Vec<SqlValue>>| -> Option<Image> {
+    let image = |vals: &Option<Vec<SqlValue>>| -> Option<RowImage> {
         vals.as_ref().map(|v| {
             inst.columns
                 .iter()
