@@ -30,6 +30,9 @@ pub enum Error {
     /// A SQL Server query failed.
     #[error(transparent)]
     SqlServer(#[from] skein_common::mssql::MssqlError),
+    /// The transport failed to deliver or to acknowledge.
+    #[error(transparent)]
+    Transport(#[from] skein_transporter::Error),
     /// The sink could not take the events.
     #[error("sink: {message}")]
     Sink {
@@ -46,6 +49,7 @@ impl Error {
         match self {
             Error::Db { source, .. } => source.is_closed() || source.as_db_error().is_none(),
             Error::SqlServer(e) => e.is_retryable(),
+            Error::Transport(e) => e.is_retryable(),
             _ => false,
         }
     }

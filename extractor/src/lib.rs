@@ -10,6 +10,7 @@
 //! already committed by position. One extractor runs per source: the state
 //! directory is locked while it runs.
 
+pub mod admin;
 pub mod error;
 pub mod marker;
 pub mod pgoutput;

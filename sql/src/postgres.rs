@@ -1,6 +1,8 @@
 //! PostgreSQL dialect: CDC enablement, sidecar DDL, catalog, resolution and
 //! hydration queries.
 
+pub mod admin;
+
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 

@@ -4,17 +4,30 @@
 //! entity + root key so every change of one aggregate lands in one
 //! partition, in source order.
 //!
-//! The embedded default is [`InProcess`]: one bounded crossbeam channel per
-//! partition. There the extractor's acknowledgement is end to end: a batch
-//! is acknowledged only when every partition's applier has committed its
-//! slice to the sidecar (or found nothing new in it).
+//! Two boundaries, one per side:
+//!
+//! * [`Transport`] (extractor side): `send(batch)` resolves when every
+//!   record is durably accepted;
+//! * [`Inbox`] (applier side): rounds of per-partition [`Delivery`]s in
+//!   order, partition assignment and revocation, `committed` after the
+//!   sidecar transaction, `seek` after a fence.
+//!
+//! The embedded default is [`InProcess`] / [`InProcessInbox`]: one bounded
+//! crossbeam channel per partition, acknowledged end to end. The
+//! distributed one is [`kafka::KafkaTransport`] / [`kafka::KafkaInbox`].
 
+pub mod in_process;
 pub mod kafka;
 
-use std::time::Duration;
+use std::future::Future;
 
-use skein_common::record::partition_for;
-use skein_common::{ChangeRecord, SourcePosition};
+use skein_common::{ChangeRecord, Checkpoint, CheckpointKind, SourcePosition};
+
+pub use in_process::{split, InProcess, InProcessInbox};
+
+/// The progress "topic" of the in-process transport (the sidecar keys
+/// progress by group, topic and partition).
+pub const IN_PROCESS_TOPIC: &str = "in-process";
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -31,10 +44,15 @@ pub enum Error {
     /// The Kafka broker did not take or acknowledge a record.
     #[error("kafka: {message}")]
     Broker { message: String },
+    /// The Kafka consumer failed (subscribe, rebalance, seek).
+    #[error("kafka consumer: {message}")]
+    Consumer { message: String },
 }
 
 impl Error {
-    /// A gone or failed applier is not fixed by sending again.
+    /// A gone or failed applier, a broker that refused a record or a
+    /// consumer that lost its assignment is not fixed by trying again in
+    /// place: the caller stops and a restart resumes from durable state.
     pub fn is_retryable(&self) -> bool {
         false
     }
@@ -55,28 +73,6 @@ pub struct Batch {
     pub records: Vec<ChangeRecord>,
 }
 
-/// What an applier answers for one slice.
-pub type Ack = std::result::Result<(), String>;
-
-/// One partition's part of a batch, with the way to acknowledge it.
-#[derive(Debug)]
-pub struct Slice {
-    /// The partition.
-    pub partition: u32,
-    /// The batch, holding only this partition's records.
-    pub batch: Batch,
-    ack: tokio::sync::oneshot::Sender<Ack>,
-}
-
-impl Slice {
-    /// Acknowledges the slice: `Ok` once it is durably committed (or was
-    /// already), `Err` when it could not be.
-    pub fn ack(self, result: Ack) {
-        // The extractor may have stopped waiting (shutdown): nothing to do then.
-        let _ = self.ack.send(result);
-    }
-}
-
 /// The extractor side of a transport.
 ///
 /// Contract: `send` hands over one batch and returns only when it is
@@ -89,200 +85,87 @@ pub trait Transport {
     fn send(&self, batch: Batch) -> impl std::future::Future<Output = Result<()>> + Send;
 }
 
-/// Bounded in-process channels, one per partition.
-#[derive(Clone)]
-pub struct InProcess {
-    senders: Vec<crossbeam_channel::Sender<Slice>>,
-}
-
-/// What waiting for a slice gave.
-#[derive(Debug)]
-pub enum Recv {
-    /// A slice to apply and acknowledge.
-    Slice(Slice),
-    /// Nothing arrived in time.
-    Idle,
-    /// The extractor side is gone: shut down.
-    Closed,
-}
-
-/// The applier side of one in-process partition.
-pub struct PartitionReceiver {
-    /// The partition number.
+/// One partition's records handed to the applier, in order, with the
+/// progress to commit once they are applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    /// The partition.
     pub partition: u32,
-    rx: crossbeam_channel::Receiver<Slice>,
+    /// Exclusive lower bound, for the batch row: the extractor batch's
+    /// lower position (in-process) or the first offset (Kafka).
+    pub lower: Checkpoint,
+    /// The progress to commit once applied: the batch's upper position
+    /// (in-process) or the next offset (Kafka).
+    pub upper: Checkpoint,
+    /// The source reported lost changes before these records.
+    pub has_data_loss: bool,
+    /// The records, in source order.
+    pub records: Vec<ChangeRecord>,
+    /// Records of this range that could not be decoded and went to the
+    /// dead-letter topic instead (counted in the batch row).
+    pub dead_letters: i32,
 }
 
-impl PartitionReceiver {
-    /// Waits up to `timeout` for the next slice.
-    pub fn recv_timeout(&self, timeout: Duration) -> Recv {
-        match self.rx.recv_timeout(timeout) {
-            Ok(s) => Recv::Slice(s),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Recv::Idle,
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Recv::Closed,
-        }
-    }
+/// A change of the partitions this applier owns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Membership {
+    /// These partitions are now this applier's; their consumption starts at
+    /// the sidecar's progress (the inbox asked for it on assignment).
+    Assigned(Vec<u32>),
+    /// These partitions are no longer this applier's; nothing of theirs is
+    /// delivered any more, and what was buffered was dropped.
+    Revoked(Vec<u32>),
 }
 
-impl InProcess {
-    /// Creates `partitions` channels holding at most `capacity` slices each.
-    pub fn new(partitions: u32, capacity: usize) -> (InProcess, Vec<PartitionReceiver>) {
-        let mut senders = vec![];
-        let mut receivers = vec![];
-        for p in 0..partitions.max(1) {
-            let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
-            senders.push(tx);
-            receivers.push(PartitionReceiver { partition: p, rx });
-        }
-        (InProcess { senders }, receivers)
-    }
-
-    /// Number of partitions.
-    pub fn partitions(&self) -> u32 {
-        self.senders.len() as u32
-    }
+/// What one [`Inbox::next`] gave.
+#[derive(Debug, Default)]
+pub struct Round {
+    /// Assignment changes, to act on before the deliveries.
+    pub membership: Vec<Membership>,
+    /// At most one delivery per partition, every one of an owned partition.
+    pub deliveries: Vec<Delivery>,
+    /// The sending side is gone and nothing more will come: stop.
+    pub closed: bool,
 }
 
-/// Splits a batch into per-partition batches by the frozen key hash.
-pub fn split(batch: &Batch, partitions: u32) -> Vec<Batch> {
-    let mut parts: Vec<Batch> = (0..partitions)
-        .map(|_| Batch {
-            records: vec![],
-            ..batch.clone_header()
-        })
-        .collect();
-    for r in &batch.records {
-        let p = partition_for(&r.transport_key(), partitions) as usize;
-        parts[p].records.push(r.clone());
-    }
-    parts
-}
-
-impl Batch {
-    fn clone_header(&self) -> Batch {
-        Batch {
-            seq: self.seq,
-            lower: self.lower,
-            upper: self.upper,
-            has_data_loss: self.has_data_loss,
-            records: vec![],
-        }
-    }
-}
-
-impl Transport for InProcess {
-    async fn send(&self, batch: Batch) -> Result<()> {
-        let parts = split(&batch, self.partitions());
-        let mut waits = vec![];
-        for (p, part) in parts.into_iter().enumerate() {
-            let partition = p as u32;
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let slice = Slice {
-                partition,
-                batch: part,
-                ack: tx,
-            };
-            // Bounded: when an applier is behind, wait (off the async
-            // workers) for room instead of buffering without limit.
-            let sender = self.senders[p].clone();
-            tokio::task::spawn_blocking(move || sender.send(slice))
-                .await
-                .map_err(|_| Error::Disconnected { partition })?
-                .map_err(|_| Error::Disconnected { partition })?;
-            waits.push((partition, rx));
-        }
-        for (partition, rx) in waits {
-            match rx.await {
-                Ok(Ok(())) => {}
-                Ok(Err(message)) => return Err(Error::ApplierFailed { partition, message }),
-                Err(_) => return Err(Error::Disconnected { partition }),
-            }
-        }
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use skein_common::{ChangePosition, Op, PgLsn, RootKey};
-
-    use super::*;
-
-    fn rec(key: &str, seq: u32) -> ChangeRecord {
-        ChangeRecord {
-            entity: "customer".into(),
-            root_key: RootKey(vec![Some(key.into())]),
-            table: "public.customer".into(),
-            op: Op::Update,
-            position: ChangePosition {
-                commit: PgLsn(100).into(),
-                seq,
-            },
-            tx_id: 1,
-            commit_time_micros: 0,
-        }
-    }
-
-    #[test]
-    fn split_keeps_one_key_in_one_partition_in_order() {
-        let records: Vec<_> = (0..200).map(|i| rec(&(i % 20).to_string(), i)).collect();
-        let b = Batch {
-            seq: 1,
-            lower: PgLsn(1).into(),
-            upper: PgLsn(100).into(),
-            has_data_loss: false,
-            records,
-        };
-        let parts = split(&b, 4);
-        assert_eq!(parts.iter().map(|p| p.records.len()).sum::<usize>(), 200);
-        for p in &parts {
-            assert_eq!(p.upper, SourcePosition::Pg(PgLsn(100)));
-            for k in 0..20 {
-                let seqs: Vec<u32> = p
-                    .records
-                    .iter()
-                    .filter(|r| r.root_key.0[0].as_deref() == Some(&k.to_string()))
-                    .map(|r| r.position.seq)
-                    .collect();
-                assert!(seqs.windows(2).all(|w| w[0] < w[1]));
-            }
-        }
-        for k in 0..20 {
-            let holders = parts
-                .iter()
-                .filter(|p| {
-                    p.records
-                        .iter()
-                        .any(|r| r.root_key.0[0].as_deref() == Some(&k.to_string()))
-                })
-                .count();
-            assert_eq!(holders, 1);
-        }
-    }
-
-    #[tokio::test]
-    async fn send_waits_for_every_partition_and_reports_failures() {
-        let (t, rxs) = InProcess::new(2, 1);
-        let appliers = std::thread::spawn(move || {
-            for (i, rx) in rxs.iter().enumerate() {
-                let Recv::Slice(s) = rx.recv_timeout(Duration::from_secs(5)) else {
-                    panic!("no slice")
-                };
-                s.ack(if i == 0 { Ok(()) } else { Err("boom".into()) });
-            }
-        });
-        let b = Batch {
-            seq: 1,
-            lower: PgLsn(1).into(),
-            upper: PgLsn(2).into(),
-            has_data_loss: false,
-            records: vec![rec("1", 0)],
-        };
-        let e = t.send(b).await.unwrap_err();
-        assert!(
-            matches!(e, Error::ApplierFailed { partition: 1, .. }),
-            "{e}"
-        );
-        appliers.join().unwrap();
-    }
+/// The applier side of a transport.
+///
+/// Contract:
+/// * **Order.** Each partition's records arrive in the order they were
+///   sent; a round holds at most one [`Delivery`] per partition, and a
+///   partition's next delivery follows the previous one without a gap
+///   unless [`Inbox::seek`] moved it.
+/// * **Acknowledgement.** After the applier's sidecar transaction for a
+///   delivery committed (or found nothing new), it calls
+///   [`Inbox::committed`] with `Ok(upper)`; after a failure, with
+///   `Err(reason)`. In-process this is the extractor's end-to-end
+///   acknowledgement; over Kafka it commits the consumer offset, which is
+///   advisory (lag tools only): the sidecar's progress is the truth.
+/// * **Redelivery.** A delivery may repeat records already applied (an
+///   extractor that crashed before its marker, a rebalance, a seek); the
+///   applier drops them by its stored progress, so the inbox need not.
+/// * **Fencing.** When the sidecar refuses a commit because another
+///   applier moved the progress, the applier calls [`Inbox::seek`] with the
+///   stored progress and consumption resumes there.
+pub trait Inbox: Send {
+    /// The topic the sidecar keys this transport's progress by.
+    fn topic(&self) -> &str;
+    /// What this transport's checkpoints count.
+    fn checkpoint_kind(&self) -> CheckpointKind;
+    /// Waits for the next round (up to the transport's batch wait); an
+    /// empty round means idle.
+    fn next(&mut self) -> impl Future<Output = Result<Round>> + Send;
+    /// The outcome of applying the partition's last delivery.
+    fn committed(
+        &mut self,
+        partition: u32,
+        outcome: std::result::Result<Checkpoint, String>,
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// Moves the partition's consumption to just after `to` (its start when
+    /// `None`), dropping anything buffered for it.
+    fn seek(
+        &mut self,
+        partition: u32,
+        to: Option<Checkpoint>,
+    ) -> impl Future<Output = Result<()>> + Send;
 }

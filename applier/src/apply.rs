@@ -1,0 +1,243 @@
+//! One partition's applier: a delivery in, one fenced sidecar transaction
+//! out.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use skein_common::config::Config;
+use skein_common::failpoint::failpoint;
+use skein_common::{Checkpoint, CheckpointKind};
+use skein_sql::Catalog;
+use skein_transporter::Delivery;
+use tracing::info;
+
+use crate::decide::{consolidate, decide, Action};
+use crate::error::{Error, Result};
+use crate::event::{build_event, EventContext};
+use crate::fresh::{fresh, Fresh};
+use crate::hydrate::{EntityHydrator, Source};
+use crate::sidecar::{BatchCommit, OutboxRow, Progress, Sidecar, VersionRow};
+
+/// What one applied batch did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Records after dropping already-applied positions.
+    pub records: usize,
+    /// Aggregates touched.
+    pub entities: usize,
+    /// Events written to the outbox.
+    pub events: usize,
+    /// The sidecar batch id, when a transaction was committed.
+    pub batch_id: Option<i64>,
+}
+
+/// One partition's applier.
+pub struct Applier<S: Sidecar> {
+    cfg: Config,
+    source: Source,
+    sidecar: S,
+    hydrators: HashMap<String, EntityHydrator>,
+    topic: String,
+    partition: u32,
+    kind: CheckpointKind,
+    progress: Option<Option<Progress>>,
+}
+
+impl<S: Sidecar> Applier<S> {
+    /// Creates an applier for one partition, reading state through `source`.
+    pub fn new(
+        cfg: &Config,
+        catalog: &Catalog,
+        source: Source,
+        sidecar: S,
+        topic: &str,
+        partition: u32,
+        kind: CheckpointKind,
+    ) -> Self {
+        let hydrators = cfg
+            .entities
+            .iter()
+            .map(|e| {
+                (
+                    e.name.clone(),
+                    EntityHydrator::new(e, catalog, source.dialect()),
+                )
+            })
+            .collect();
+        Applier {
+            cfg: cfg.clone(),
+            source,
+            sidecar,
+            hydrators,
+            topic: topic.to_string(),
+            partition,
+            kind,
+            progress: None,
+        }
+    }
+
+    /// The partition.
+    pub fn partition(&self) -> u32 {
+        self.partition
+    }
+
+    /// The committed progress (read from the sidecar once, then tracked).
+    pub async fn progress(&mut self) -> Result<Option<Progress>> {
+        if let Some(p) = self.progress {
+            return Ok(p);
+        }
+        let p = self
+            .sidecar
+            .progress(&self.cfg.name, &self.topic, self.partition)
+            .await?;
+        self.progress = Some(p);
+        Ok(p)
+    }
+
+    /// The committed progress as a checkpoint (where the transport resumes).
+    pub async fn checkpoint(&mut self) -> Result<Option<Checkpoint>> {
+        let kind = self.kind;
+        self.progress()
+            .await?
+            .map(|p| {
+                Checkpoint::from_numeric(kind, p.position)
+                    .map_err(|e| Error::Data(format!("stored progress: {e}")))
+            })
+            .transpose()
+    }
+
+    /// The progress this applier believes is committed, if it has read it.
+    pub fn cached_progress(&self) -> Option<Option<Progress>> {
+        self.progress
+    }
+
+    /// Forgets the cached progress (after a fence or a reassignment).
+    pub fn reset_progress(&mut self) {
+        self.progress = None;
+    }
+
+    /// Applies one delivery: drops what the committed progress covers
+    /// ([`fresh`]), consolidates, hydrates, versions and commits the batch
+    /// in one fenced sidecar transaction. Returns what it did; a delivery
+    /// with nothing new writes nothing.
+    pub async fn apply(&mut self, d: &Delivery) -> Result<Applied> {
+        let started = Instant::now();
+        let expected = self.progress().await?;
+        let (records, dropped, source_after) = match fresh(d, expected.as_ref()) {
+            Fresh::Applied | Fresh::Nothing => return Ok(Applied::default()),
+            Fresh::Apply {
+                records,
+                dropped,
+                source_after,
+            } => (records, dropped, source_after),
+        };
+        let correlation_id = uuid::Uuid::now_v7().to_string();
+        let consolidated = consolidate(&records);
+
+        // Hydrate and load versions per entity, batched.
+        let mut by_entity: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, c) in consolidated.iter().enumerate() {
+            by_entity.entry(c.entity.as_str()).or_default().push(i);
+        }
+        let mut outbox = vec![];
+        let mut versions = vec![];
+        for (entity, idxs) in by_entity {
+            let Some(h) = self.hydrators.get(entity) else {
+                return Err(Error::Data(format!("record for unknown entity `{entity}`")));
+            };
+            let keys: Vec<_> = idxs.iter().map(|i| consolidated[*i].key.clone()).collect();
+            let current = h.hydrate(&mut self.source, &keys).await?;
+            let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
+            let stored = self.sidecar.versions(entity, &canon).await?;
+            for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {
+                let c = &consolidated[*i];
+                let Some(d) = decide(c, cur, stored.get(ck), &h.delete_payload(&c.key)) else {
+                    continue;
+                };
+                let id = uuid::Uuid::now_v7().to_string();
+                let ev = build_event(
+                    &EventContext {
+                        events: &self.cfg.events,
+                        entity: h.entity(),
+                        id: &id,
+                        correlation_id: &correlation_id,
+                        time_micros: c.commit_time_micros,
+                    },
+                    &c.key,
+                    &d,
+                );
+                outbox.push((
+                    c.last_position,
+                    OutboxRow {
+                        event_id: id,
+                        entity: entity.to_string(),
+                        key: ck.clone(),
+                        etag: d.etag.clone(),
+                        event: ev.to_string(),
+                        commit_time_micros: c.commit_time_micros,
+                    },
+                ));
+                versions.push(VersionRow {
+                    entity: entity.to_string(),
+                    key: ck.clone(),
+                    etag: d.etag.clone(),
+                    is_deleted: d.action == Action::Deleted,
+                });
+            }
+        }
+        // Outbox ids follow source order of each aggregate's last change.
+        outbox.sort_by_key(|(pos, _)| *pos);
+        let outbox: Vec<OutboxRow> = outbox.into_iter().map(|(_, o)| o).collect();
+        let commit = BatchCommit {
+            group: self.cfg.name.clone(),
+            topic: self.topic.clone(),
+            partition: self.partition,
+            expected: expected.map(|p| p.position),
+            position: d.upper.numeric(),
+            source: source_after,
+            dead_letters: d.dead_letters,
+            lower: d.lower.numeric(),
+            upper: d.upper.numeric(),
+            correlation_id,
+            record_count: records.len() as i32,
+            entity_count: consolidated.len() as i32,
+            has_data_loss: d.has_data_loss,
+            outbox,
+            versions,
+        };
+        failpoint("applier.before_sidecar");
+        let result = self.sidecar.commit(&commit).await;
+        let batch_id = match result {
+            Ok(id) => id,
+            Err(e) => {
+                // Unknown outcome or fenced: read progress again next time.
+                self.progress = None;
+                return Err(e);
+            }
+        };
+        failpoint("applier.after_sidecar");
+        self.progress = Some(Some(Progress {
+            position: d.upper.numeric(),
+            source: source_after,
+        }));
+        let applied = Applied {
+            records: records.len(),
+            entities: consolidated.len(),
+            events: commit.outbox.len(),
+            batch_id: Some(batch_id),
+        };
+        info!(
+            partition = self.partition,
+            batch_id,
+            upper = %d.upper,
+            records = applied.records,
+            duplicates = dropped,
+            dead_letters = d.dead_letters,
+            entities = applied.entities,
+            events = applied.events,
+            ms = started.elapsed().as_millis() as u64,
+            "batch committed"
+        );
+        Ok(applied)
+    }
+}

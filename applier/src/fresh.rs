@@ -1,0 +1,266 @@
+//! Which delivered records are new: the already-applied filter, pure.
+//!
+//! A partition's committed progress is the exactly-once recovery marker.
+//! Records arrive again after an extractor crashed between the transport's
+//! acknowledgement and its marker write (the whole batch is re-sent), after
+//! a rebalance or a replay; this decides, from the stored progress alone,
+//! what of a delivery is applied and what is dropped.
+
+use std::collections::HashSet;
+
+use skein_common::{ChangePosition, ChangeRecord, Checkpoint};
+use skein_transporter::Delivery;
+
+use crate::sidecar::Progress;
+
+/// What to do with one delivery.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fresh {
+    /// The delivery ends at or before the committed progress: it was
+    /// applied already. Nothing is written.
+    Applied,
+    /// Nothing new and nothing to record: nothing is written, and the
+    /// delivery counts as committed.
+    Nothing,
+    /// Commit a batch: `records` (maybe none, when only the progress,
+    /// a data-loss notice or dead letters must be recorded).
+    Apply {
+        /// The new records, in delivery order.
+        records: Vec<ChangeRecord>,
+        /// How many delivered records were dropped as already applied or
+        /// repeated.
+        dropped: usize,
+        /// The last source change applied in the partition after this batch.
+        source_after: Option<ChangePosition>,
+    },
+}
+
+/// Decides what of `d` is new given the partition's committed progress.
+///
+/// * A delivery whose `upper` is at or before the progress was applied.
+/// * In-process ([`Checkpoint::Source`]) a record is new when its commit
+///   position is after the progress (batches hold whole transactions).
+/// * Over Kafka ([`Checkpoint::Offset`]) offsets say nothing about source
+///   order, so a record is new when its change position is after the last
+///   source change applied ([`Progress::source`]): an extractor that
+///   re-sent a batch produced it again at a later offset.
+/// * Within the delivery, a record repeating an earlier one (same change
+///   position, entity and root) is dropped: one source change resolves to at
+///   most one record per aggregate.
+/// * Over Kafka a delivery with no new record still commits when it moved
+///   the offset (so the progress reaches the log end); in-process an empty
+///   slice writes nothing.
+pub fn fresh(d: &Delivery, committed: Option<&Progress>) -> Fresh {
+    let floor = committed.map(|p| p.position);
+    if floor.is_some_and(|f| d.upper.numeric() <= f) {
+        return Fresh::Applied;
+    }
+    let applied_source = committed.and_then(|p| p.source);
+    let by_offset = matches!(d.upper, Checkpoint::Offset(_));
+    let mut seen = HashSet::new();
+    let records: Vec<ChangeRecord> = d
+        .records
+        .iter()
+        .filter(|r| {
+            if by_offset {
+                applied_source.is_none_or(|s| r.position > s)
+            } else {
+                floor.is_none_or(|f| r.position.commit.numeric() > f)
+            }
+        })
+        .filter(|r| seen.insert((r.position, &r.entity, &r.root_key)))
+        .cloned()
+        .collect();
+    let dropped = d.records.len() - records.len();
+    if records.is_empty()
+        && !d.has_data_loss
+        && d.dead_letters == 0
+        && (!by_offset || d.records.is_empty())
+    {
+        return Fresh::Nothing;
+    }
+    let source_after = records.iter().map(|r| r.position).max().max(applied_source);
+    Fresh::Apply {
+        records,
+        dropped,
+        source_after,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use skein_common::{Op, PgLsn, RootKey, SourcePosition};
+
+    use super::*;
+
+    fn pos(commit: u64, seq: u32) -> ChangePosition {
+        ChangePosition {
+            commit: PgLsn(commit).into(),
+            seq,
+        }
+    }
+
+    fn rec(key: &str, commit: u64, seq: u32) -> ChangeRecord {
+        ChangeRecord {
+            entity: "customer".into(),
+            root_key: RootKey(vec![Some(key.into())]),
+            table: "public.customer".into(),
+            op: Op::Update,
+            position: pos(commit, seq),
+            tx_id: commit,
+            commit_time_micros: 0,
+        }
+    }
+
+    fn src(lower: u64, upper: u64, records: Vec<ChangeRecord>) -> Delivery {
+        let c = |v| Checkpoint::Source(SourcePosition::Pg(PgLsn(v)));
+        Delivery {
+            partition: 0,
+            lower: c(lower),
+            upper: c(upper),
+            has_data_loss: false,
+            records,
+            dead_letters: 0,
+        }
+    }
+
+    fn off(first: i64, next: i64, records: Vec<ChangeRecord>) -> Delivery {
+        Delivery {
+            partition: 0,
+            lower: Checkpoint::Offset(first),
+            upper: Checkpoint::Offset(next),
+            has_data_loss: false,
+            records,
+            dead_letters: 0,
+        }
+    }
+
+    fn progress(position: i128, source: Option<ChangePosition>) -> Progress {
+        Progress { position, source }
+    }
+
+    fn keys(f: &Fresh) -> Vec<(u64, u32)> {
+        match f {
+            Fresh::Apply { records, .. } => records
+                .iter()
+                .map(|r| (r.position.commit.numeric() as u64, r.position.seq))
+                .collect(),
+            other => panic!("expected records, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn first_delivery_applies_everything() {
+        let d = src(0, 20, vec![rec("1", 10, 0), rec("2", 20, 0)]);
+        assert_eq!(keys(&fresh(&d, None)), vec![(10, 0), (20, 0)]);
+        let d = off(0, 2, vec![rec("1", 10, 0), rec("2", 20, 0)]);
+        assert_eq!(keys(&fresh(&d, None)), vec![(10, 0), (20, 0)]);
+    }
+
+    #[test]
+    fn in_process_a_resent_batch_is_applied_already() {
+        let d = src(10, 20, vec![rec("1", 20, 0)]);
+        assert_eq!(fresh(&d, Some(&progress(20, None))), Fresh::Applied);
+        assert_eq!(fresh(&d, Some(&progress(30, None))), Fresh::Applied);
+    }
+
+    #[test]
+    fn in_process_a_widened_resend_applies_only_what_is_after_the_progress() {
+        // The extractor crashed after batch (10, 20] was applied, then read
+        // (10, 40] at once: the records up to 20 are dropped by position.
+        let d = src(
+            10,
+            40,
+            vec![
+                rec("1", 15, 0),
+                rec("1", 20, 1),
+                rec("2", 30, 0),
+                rec("3", 40, 0),
+            ],
+        );
+        let f = fresh(&d, Some(&progress(20, None)));
+        assert_eq!(keys(&f), vec![(30, 0), (40, 0)]);
+        assert!(
+            matches!(f, Fresh::Apply { dropped: 2, source_after: Some(p), .. } if p == pos(40, 0))
+        );
+    }
+
+    #[test]
+    fn in_process_an_empty_slice_writes_nothing() {
+        assert_eq!(fresh(&src(10, 20, vec![]), None), Fresh::Nothing);
+        assert_eq!(
+            fresh(&src(10, 20, vec![]), Some(&progress(10, None))),
+            Fresh::Nothing
+        );
+    }
+
+    #[test]
+    fn a_data_loss_notice_is_recorded_even_without_records() {
+        let mut d = src(10, 20, vec![]);
+        d.has_data_loss = true;
+        assert!(matches!(fresh(&d, None), Fresh::Apply { ref records, .. } if records.is_empty()));
+    }
+
+    #[test]
+    fn over_kafka_records_resent_at_later_offsets_are_dropped_by_source_position() {
+        // Offsets 0..3 applied up to source change (20, 1); the extractor
+        // re-sent its batch at offsets 3..6.
+        let applied = progress(3, Some(pos(20, 1)));
+        let d = off(
+            3,
+            6,
+            vec![rec("1", 20, 0), rec("1", 20, 1), rec("2", 30, 0)],
+        );
+        let f = fresh(&d, Some(&applied));
+        assert_eq!(keys(&f), vec![(30, 0)]);
+        assert!(matches!(f, Fresh::Apply { dropped: 2, .. }));
+    }
+
+    #[test]
+    fn over_kafka_a_delivery_of_only_duplicates_still_moves_the_offset() {
+        let applied = progress(3, Some(pos(20, 1)));
+        let d = off(3, 5, vec![rec("1", 20, 0), rec("1", 20, 1)]);
+        let f = fresh(&d, Some(&applied));
+        assert!(
+            matches!(f, Fresh::Apply { ref records, dropped: 2, source_after: Some(p) } if records.is_empty() && p == pos(20, 1)),
+            "{f:?}"
+        );
+    }
+
+    #[test]
+    fn over_kafka_offsets_at_or_before_the_progress_were_applied() {
+        let d = off(0, 3, vec![rec("1", 10, 0)]);
+        assert_eq!(
+            fresh(&d, Some(&progress(3, Some(pos(10, 0))))),
+            Fresh::Applied
+        );
+    }
+
+    #[test]
+    fn over_kafka_dead_letters_alone_are_recorded() {
+        let mut d = off(7, 8, vec![]);
+        d.dead_letters = 1;
+        assert!(matches!(fresh(&d, None), Fresh::Apply { ref records, .. } if records.is_empty()));
+    }
+
+    #[test]
+    fn a_record_repeated_inside_one_delivery_is_applied_once() {
+        // The original and the re-send in the same Kafka round.
+        let d = off(
+            0,
+            4,
+            vec![
+                rec("1", 10, 0),
+                rec("2", 10, 1),
+                rec("1", 10, 0),
+                rec("2", 10, 1),
+            ],
+        );
+        let f = fresh(&d, None);
+        assert_eq!(keys(&f), vec![(10, 0), (10, 1)]);
+        // Same change position but another aggregate (a child moved between
+        // roots) is not a repeat.
+        let d = src(0, 10, vec![rec("1", 10, 0), rec("2", 10, 0)]);
+        assert_eq!(keys(&fresh(&d, None)), vec![(10, 0), (10, 0)]);
+    }
+}

@@ -1,0 +1,297 @@
+//! The applier loop, written once for every transport: rounds from an
+//! [`Inbox`], one [`Applier`] per partition, the partitions of a round
+//! applied concurrently on the tokio runtime.
+//!
+//! One concurrency model: async tasks. The transports' blocking waits
+//! (crossbeam channels, librdkafka's poll) run on tokio's blocking pool
+//! inside the inboxes, so the loop itself never blocks a worker and holds
+//! no lock across an await.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use skein_common::config::Config;
+use skein_common::{Checkpoint, CheckpointKind};
+use skein_sql::Catalog;
+use skein_transporter::kafka::ResumeAt;
+use skein_transporter::{Inbox, Membership};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, info_span, warn, Instrument};
+
+use crate::apply::Applier;
+use crate::error::{Error, Result};
+use crate::hydrate::Source;
+use crate::sidecar::{AnySidecar, Progress, Sidecar};
+
+/// How often an idle applier checks that its partitions' progress was not
+/// moved by someone else (`skein replay --force-while-running`).
+const PROGRESS_CHECK: Duration = Duration::from_secs(2);
+
+/// What the loop does when a delivery could not be applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterFailure {
+    /// Another applier moved the progress: nothing was written. Read the
+    /// progress again and seek the partition there; this process goes on.
+    Reseek,
+    /// Anything else: report the failure to the inbox and stop; a restart
+    /// resumes from the sidecar's progress.
+    Stop,
+}
+
+/// The fence decision, pure: only a fence is survived in place.
+pub fn after_failure(e: &Error) -> AfterFailure {
+    match e {
+        Error::Fenced { .. } => AfterFailure::Reseek,
+        _ => AfterFailure::Stop,
+    }
+}
+
+/// Whether the stored progress moved away from what the applier believed
+/// (`None`: it has not read it since its last reset; nothing to compare).
+pub fn moved_under_us(believed: Option<Option<Progress>>, stored: Option<Progress>) -> bool {
+    believed.is_some_and(|b| b != stored)
+}
+
+/// The partitions this process owns, shared with a partition-scoped relay.
+pub type Owned = Arc<Mutex<Vec<i32>>>;
+
+/// Runs the appliers of every partition the inbox assigns until the inbox
+/// closes (in-process: the extractor is gone) or `cancel` fires (Kafka).
+///
+/// Per round: membership changes first (ownership for the relay, cached
+/// progress forgotten), then every delivery applied concurrently, each
+/// acknowledged to the inbox after its sidecar transaction. A fenced
+/// partition is re-seeked to the stored progress; any other failure is
+/// reported to the inbox and stops the loop with the error.
+pub async fn run<I: Inbox>(
+    cfg: &Config,
+    catalog: &Catalog,
+    inbox: &mut I,
+    owned: Option<Owned>,
+    cancel: CancellationToken,
+) -> Result<()> {
+    let topic = inbox.topic().to_string();
+    let kind = inbox.checkpoint_kind();
+    let span = info_span!("applier", topic = %topic);
+    async move {
+        let mut appliers: HashMap<u32, Applier<AnySidecar>> = HashMap::new();
+        let mut last_check = Instant::now();
+        loop {
+            let round = tokio::select! {
+                r = inbox.next() => r?,
+                _ = cancel.cancelled() => break,
+            };
+            for m in &round.membership {
+                let (Membership::Assigned(ps) | Membership::Revoked(ps)) = m;
+                for p in ps {
+                    // Whoever held the partition meanwhile may have moved it.
+                    if let Some(a) = appliers.get_mut(p) {
+                        a.reset_progress();
+                    }
+                }
+                if let Some(o) = &owned {
+                    let mut o = o.lock().map_err(|_| Error::Data("ownership lock poisoned".into()))?;
+                    match m {
+                        Membership::Assigned(ps) => {
+                            for p in ps {
+                                if !o.contains(&(*p as i32)) {
+                                    o.push(*p as i32);
+                                }
+                            }
+                        }
+                        Membership::Revoked(ps) => o.retain(|p| !ps.contains(&(*p as u32))),
+                    }
+                }
+            }
+            if round.deliveries.is_empty() {
+                if round.closed {
+                    break;
+                }
+                if last_check.elapsed() > PROGRESS_CHECK {
+                    last_check = Instant::now();
+                    recheck_progress(&mut appliers, inbox).await?;
+                }
+                continue;
+            }
+            let mut tasks = tokio::task::JoinSet::new();
+            for d in round.deliveries {
+                let p = d.partition;
+                let mut a = match appliers.remove(&p) {
+                    Some(a) => a,
+                    None => match connect(cfg, catalog, &topic, p, kind).await {
+                        Ok(a) => a,
+                        Err(e) => {
+                            inbox.committed(p, Err(format!("the applier could not start: {e}"))).await?;
+                            return Err(e);
+                        }
+                    },
+                };
+                tasks.spawn(
+                    async move {
+                        let r = a.apply(&d).await;
+                        (d.partition, d.upper, a, r)
+                    }
+                    .instrument(info_span!("partition", partition = p)),
+                );
+            }
+            let mut fatal = None;
+            while let Some(joined) = tasks.join_next().await {
+                let (p, upper, mut a, r) =
+                    joined.map_err(|e| Error::Data(format!("an apply task failed: {e}")))?;
+                match r {
+                    Ok(_) => inbox.committed(p, Ok(upper)).await?,
+                    Err(e) => match after_failure(&e) {
+                        AfterFailure::Reseek => {
+                            warn!(partition = p, error = %e, "fenced: another applier moved this partition's progress; nothing was written, re-seeking");
+                            inbox.committed(p, Err(e.to_string())).await?;
+                            a.reset_progress();
+                            let at = a.checkpoint().await?;
+                            inbox.seek(p, at).await?;
+                        }
+                        AfterFailure::Stop => {
+                            warn!(partition = p, error = %e, "batch failed");
+                            inbox.committed(p, Err(e.to_string())).await?;
+                            fatal.get_or_insert(e);
+                        }
+                    },
+                }
+                appliers.insert(p, a);
+            }
+            if let Some(e) = fatal {
+                return Err(e);
+            }
+        }
+        info!("applier stopping");
+        Ok(())
+    }
+    .instrument(span)
+    .await
+}
+
+/// Re-reads the stored progress of every partition whose applier has it
+/// cached; where it moved (a replay rewound it), seeks the inbox there.
+async fn recheck_progress<I: Inbox>(
+    appliers: &mut HashMap<u32, Applier<AnySidecar>>,
+    inbox: &mut I,
+) -> Result<()> {
+    for (p, a) in appliers.iter_mut() {
+        let believed = a.cached_progress();
+        if believed.is_none() {
+            continue;
+        }
+        a.reset_progress();
+        let stored = a.progress().await?;
+        if moved_under_us(believed, stored) {
+            let at: Option<Checkpoint> = a.checkpoint().await?;
+            warn!(partition = p, believed = ?believed.flatten().map(|x| x.position), now = ?at, "progress moved under this applier (a replay?); re-seeking");
+            inbox.seek(*p, at).await?;
+        }
+    }
+    Ok(())
+}
+
+/// An applier for one partition with its own source and sidecar connections.
+pub async fn connect(
+    cfg: &Config,
+    catalog: &Catalog,
+    topic: &str,
+    partition: u32,
+    kind: CheckpointKind,
+) -> Result<Applier<AnySidecar>> {
+    let source = Source::connect(cfg).await?;
+    let sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
+    Ok(Applier::new(
+        cfg, catalog, source, sidecar, topic, partition, kind,
+    ))
+}
+
+/// Where a Kafka partition resumes when it is assigned: the next offset
+/// from the sidecar's progress of `cfg.name` on `topic` (the sidecar, not
+/// Kafka's committed offset, is the truth). Blocking: the consumer calls it
+/// from its rebalance callback on a polling thread, and it runs the
+/// sidecar query on `rt`. The connection is opened on first use and
+/// dropped after an error.
+pub fn resume_from_sidecar(cfg: &Config, topic: &str, rt: tokio::runtime::Handle) -> ResumeAt {
+    let cfg = cfg.clone();
+    let topic = topic.to_string();
+    let sidecar: Mutex<Option<AnySidecar>> = Mutex::new(None);
+    Arc::new(move |parts: &[u32]| {
+        let mut guard = sidecar
+            .lock()
+            .map_err(|_| "the sidecar lock is poisoned".to_string())?;
+        if guard.is_none() {
+            let sc = rt
+                .block_on(AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema))
+                .map_err(|e| e.to_string())?;
+            *guard = Some(sc);
+        }
+        let sc = guard.as_mut().expect("connected above");
+        let mut out = HashMap::new();
+        for p in parts {
+            match rt.block_on(sc.progress(&cfg.name, &topic, *p)) {
+                Ok(pr) => {
+                    out.insert(*p, pr.map(|x| x.offset()));
+                }
+                Err(e) => {
+                    *guard = None;
+                    return Err(e.to_string());
+                }
+            }
+        }
+        Ok(out)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use skein_common::{ChangePosition, PgLsn};
+
+    use super::*;
+
+    #[test]
+    fn a_fence_reseeks_and_any_other_failure_stops() {
+        let fenced = Error::Fenced {
+            partition: 1,
+            expected: Some(5),
+            found: Some(9),
+        };
+        assert_eq!(after_failure(&fenced), AfterFailure::Reseek);
+        assert_eq!(
+            after_failure(&Error::Data("bad row".into())),
+            AfterFailure::Stop
+        );
+        let sink = Error::Sink {
+            message: "full".into(),
+            source: None,
+        };
+        assert_eq!(after_failure(&sink), AfterFailure::Stop);
+        let gone = Error::Transport(skein_transporter::Error::Disconnected { partition: 0 });
+        assert_eq!(after_failure(&gone), AfterFailure::Stop);
+    }
+
+    #[test]
+    fn progress_moved_only_when_it_differs_from_what_was_read() {
+        let p = |position| Progress {
+            position,
+            source: Some(ChangePosition {
+                commit: PgLsn(7).into(),
+                seq: 0,
+            }),
+        };
+        assert!(
+            !moved_under_us(None, Some(p(5))),
+            "never read: nothing to compare"
+        );
+        assert!(!moved_under_us(Some(Some(p(5))), Some(p(5))));
+        assert!(
+            moved_under_us(Some(Some(p(5))), Some(p(2))),
+            "rewound by a replay"
+        );
+        assert!(
+            moved_under_us(Some(None), Some(p(2))),
+            "another applier committed first"
+        );
+        assert!(moved_under_us(Some(Some(p(5))), None), "progress deleted");
+    }
+}

@@ -1,0 +1,26 @@
+//! The catalog reads of `skein validate`, `skein status` and
+//! `skein marker reset --latest` on a PostgreSQL source.
+
+/// The server's `wal_level` (logical decoding needs `logical`).
+pub const WAL_LEVEL: &str = "SHOW wal_level";
+
+/// One row when publication `$1` exists.
+pub const PUBLICATION_EXISTS: &str = "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1";
+
+/// The columns publication `$1` carries of table `$2`.`$3` (no row: the
+/// table is not published).
+pub const PUBLISHED_COLUMNS: &str =
+    "SELECT coalesce(attnames::text[], '{}') FROM pg_catalog.pg_publication_tables \
+     WHERE pubname = $1 AND schemaname = $2 AND tablename = $3";
+
+/// Slot `$1`'s `wal_status` (`lost`: invalidated).
+pub const SLOT_WAL_STATUS: &str =
+    "SELECT coalesce(wal_status, '') FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
+
+/// Slot `$1`: confirmed position, WAL end, lag in bytes, active, wal_status.
+pub const SLOT_STATUS: &str = "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text, \
+     (pg_current_wal_lsn() - confirmed_flush_lsn)::int8, active, coalesce(wal_status, '') \
+     FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
+
+/// The server's current WAL end.
+pub const CURRENT_WAL_LSN: &str = "SELECT pg_current_wal_lsn()::text";

@@ -1,0 +1,61 @@
+//! `skein apply`: one member of the appliers' Kafka consumer group (start 1
+//! or N), relaying the outbox rows of the partitions it owns.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use skein_applier::relay::{run_relay, RelayScope};
+use skein_applier::run::{resume_from_sidecar, Owned};
+use skein_applier::sidecar::Sidecar;
+use skein_common::config::Config;
+use skein_transporter::kafka::{dlq_topic, ensure_topic, InboxSettings, KafkaInbox};
+use tokio_util::sync::CancellationToken;
+
+use super::{kafka_transport, make_sink, shutdown_token, sidecar};
+
+/// Runs the applier until a signal or an error.
+pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<()> {
+    let cancel = shutdown_token();
+    let (kc, topic) = kafka_transport(&cfg)?;
+    sidecar(&cfg).await?.migrate().await?;
+    let catalog = skein_extractor::load_catalog(&cfg).await?;
+    for t in [topic.clone(), dlq_topic(&topic)] {
+        ensure_topic(
+            &kc,
+            &t,
+            cfg.transport.partitions,
+            cfg.transport.replication_factor,
+        )
+        .await?;
+    }
+    let owned: Owned = Arc::default();
+    let relay_cancel = CancellationToken::new();
+    let relay = if cfg.transport.relay_in_apply {
+        Some(tokio::spawn(run_relay(
+            sidecar(&cfg).await?,
+            make_sink(&cfg)?,
+            cfg.sink.relay_batch,
+            RelayScope::Partitions(owned.clone()),
+            relay_cancel.clone(),
+        )))
+    } else {
+        None
+    };
+    let settings = InboxSettings {
+        topic: topic.clone(),
+        group: cfg.consumer_group(),
+        instance_id,
+        entities: cfg.entities.iter().map(|e| e.name.clone()).collect(),
+        max_records: cfg.transport.max_batch_records,
+        wait: Duration::from_millis(cfg.transport.batch_wait_ms),
+    };
+    let resume = resume_from_sidecar(&cfg, &topic, tokio::runtime::Handle::current());
+    let mut inbox = KafkaInbox::new(&kc, settings, resume)?;
+    let result = skein_applier::run(&cfg, &catalog, &mut inbox, Some(owned), cancel).await;
+    inbox.close().await;
+    relay_cancel.cancel();
+    if let Some(r) = relay {
+        r.await??;
+    }
+    Ok(result?)
+}

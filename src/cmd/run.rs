@@ -1,0 +1,55 @@
+//! `skein run`: extractor, in-process transport, appliers and relay in one
+//! process (the embedded default).
+
+use anyhow::bail;
+use skein_applier::relay::{run_relay, RelayScope};
+use skein_applier::sidecar::Sidecar;
+use skein_common::config::{Config, TransportKind};
+use skein_extractor::{AnySource, SledMarkerStore};
+use skein_transporter::InProcess;
+use tokio_util::sync::CancellationToken;
+
+use super::{make_sink, shutdown_token, sidecar};
+
+/// Runs until SIGTERM/SIGINT or an error; stops in order: the extractor
+/// ends → the inbox closes and the appliers drain → the relay drains.
+pub async fn run(cfg: Config) -> anyhow::Result<()> {
+    let cancel = shutdown_token();
+    if cfg.transport.kind != TransportKind::InProcess {
+        bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
+    }
+    let markers = SledMarkerStore::open(&cfg.state_dir)?;
+    sidecar(&cfg).await?.migrate().await?;
+    let mut source = AnySource::connect(&cfg).await?;
+    let catalog = source.catalog().clone();
+    let (transport, mut inbox) = InProcess::new(
+        cfg.transport.partitions,
+        cfg.transport.channel_capacity,
+        cfg.source.kind.dialect(),
+    );
+    let appliers = {
+        let cfg = cfg.clone();
+        // The in-process appliers stop when the extractor's side closes,
+        // not on the signal: what was sent is applied first.
+        tokio::spawn(async move {
+            skein_applier::run(&cfg, &catalog, &mut inbox, None, CancellationToken::new()).await
+        })
+    };
+    let relay_cancel = CancellationToken::new();
+    let relay = tokio::spawn(run_relay(
+        sidecar(&cfg).await?,
+        make_sink(&cfg)?,
+        cfg.sink.relay_batch,
+        RelayScope::All,
+        relay_cancel.clone(),
+    ));
+    let result = skein_extractor::run(&cfg, &mut source, &markers, &transport, cancel).await;
+    drop(transport);
+    let applied = appliers.await;
+    relay_cancel.cancel();
+    let relayed = relay.await;
+    result?;
+    applied??;
+    relayed??;
+    Ok(())
+}

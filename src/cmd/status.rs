@@ -1,0 +1,68 @@
+//! `skein status`: lag per stage, as JSON (stable keys, for scripts and
+//! tests).
+//!
+//! * `source`: what the source reports (see `skein_extractor::admin::status`);
+//! * `partitions`: per partition the sidecar progress and, for Kafka, the
+//!   log end and the lag between them;
+//! * `outbox`: rows not yet relayed and the age of the oldest.
+
+use skein_applier::sidecar::Sidecar;
+use skein_common::config::{Config, TransportKind};
+use skein_common::SourcePosition;
+use skein_transporter::IN_PROCESS_TOPIC;
+
+use super::{kafka_transport, sidecar};
+
+/// Prints the status.
+pub async fn status(cfg: Config) -> anyhow::Result<()> {
+    let mut out = serde_json::Map::new();
+    out.insert("source".into(), skein_extractor::admin::status(&cfg).await?);
+    let mut sidecar = sidecar(&cfg).await?;
+    let (topic, ends) = match cfg.transport.kind {
+        TransportKind::InProcess => (IN_PROCESS_TOPIC.to_string(), None),
+        TransportKind::Kafka => {
+            let (kc, topic) = kafka_transport(&cfg)?;
+            let (t, n) = (topic.clone(), cfg.transport.partitions);
+            let ends = tokio::task::spawn_blocking(move || {
+                skein_transporter::kafka::watermarks(&kc, &t, n)
+            })
+            .await??;
+            (topic, Some(ends))
+        }
+    };
+    let mut parts = vec![];
+    let mut total_lag = 0i64;
+    for p in 0..cfg.transport.partitions {
+        let pr = sidecar.progress(&cfg.name, &topic, p).await?;
+        let progress: serde_json::Value = match (pr, &ends) {
+            (None, _) => serde_json::Value::Null,
+            (Some(x), Some(_)) => x.offset().into(),
+            (Some(x), None) => {
+                SourcePosition::describe_numeric(cfg.source.kind.dialect(), x.position).into()
+            }
+        };
+        let mut v = serde_json::json!({ "partition": p, "progress": progress });
+        if let Some(ends) = &ends {
+            let (low, high) = ends[p as usize];
+            // No progress yet: everything from the log start is pending.
+            let lag = high - pr.map(|x| x.offset()).unwrap_or(low);
+            total_lag += lag.max(0);
+            v["log_start"] = low.into();
+            v["log_end"] = high.into();
+            v["lag"] = lag.into();
+        }
+        parts.push(v);
+    }
+    out.insert("topic".into(), topic.into());
+    out.insert("partitions".into(), parts.into());
+    if ends.is_some() {
+        out.insert("transport_lag".into(), total_lag.into());
+    }
+    let (pending, oldest_ms) = sidecar.pending().await?;
+    out.insert(
+        "outbox".into(),
+        serde_json::json!({ "pending": pending, "oldest_pending_ms": oldest_ms }),
+    );
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}

@@ -1,0 +1,440 @@
+//! The embedded default transport: one bounded crossbeam channel per
+//! partition, the same key hashing as Kafka.
+//!
+//! Acknowledgement is end to end: [`Transport::send`] resolves only when
+//! every partition's applier has committed its slice to the sidecar (or
+//! found nothing new in it), so the extractor's marker never runs ahead of
+//! the sidecar. The applier side is an [`Inbox`] ([`InProcessInbox`]).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use skein_common::record::partition_for;
+use skein_common::Checkpoint;
+
+use crate::{
+    Batch, Delivery, Error, Inbox, Membership, Result, Round, Transport, IN_PROCESS_TOPIC,
+};
+use skein_common::{CheckpointKind, Dialect};
+
+/// What an applier answers for one slice.
+type Ack = std::result::Result<(), String>;
+
+/// One partition's part of a batch, with the way to acknowledge it.
+#[derive(Debug)]
+struct Slice {
+    /// The batch, holding only this partition's records.
+    batch: Batch,
+    ack: tokio::sync::oneshot::Sender<Ack>,
+}
+
+impl Slice {
+    /// Acknowledges the slice: `Ok` once it is durably committed (or was
+    /// already), `Err` when it could not be.
+    fn ack(self, result: Ack) {
+        // The extractor may have stopped waiting (shutdown): nothing to do then.
+        let _ = self.ack.send(result);
+    }
+}
+
+/// Bounded in-process channels, one per partition.
+#[derive(Clone)]
+pub struct InProcess {
+    senders: Vec<crossbeam_channel::Sender<Slice>>,
+}
+
+impl InProcess {
+    /// Creates `partitions` channels holding at most `capacity` slices
+    /// each, and the applier side that reads them.
+    pub fn new(partitions: u32, capacity: usize, dialect: Dialect) -> (InProcess, InProcessInbox) {
+        let mut senders = vec![];
+        let mut receivers = vec![];
+        for _ in 0..partitions.max(1) {
+            let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
+            senders.push(tx);
+            receivers.push(rx);
+        }
+        let inbox = InProcessInbox {
+            receivers,
+            open: (0..partitions.max(1)).collect(),
+            unacked: HashMap::new(),
+            announced: false,
+            dialect,
+        };
+        (InProcess { senders }, inbox)
+    }
+
+    /// Number of partitions.
+    pub fn partitions(&self) -> u32 {
+        self.senders.len() as u32
+    }
+}
+
+/// Splits a batch into per-partition batches by the frozen key hash.
+pub fn split(batch: &Batch, partitions: u32) -> Vec<Batch> {
+    let mut parts: Vec<Batch> = (0..partitions)
+        .map(|_| Batch {
+            records: vec![],
+            ..batch.clone_header()
+        })
+        .collect();
+    for r in &batch.records {
+        let p = partition_for(&r.transport_key(), partitions) as usize;
+        parts[p].records.push(r.clone());
+    }
+    parts
+}
+
+impl Batch {
+    fn clone_header(&self) -> Batch {
+        Batch {
+            seq: self.seq,
+            lower: self.lower,
+            upper: self.upper,
+            has_data_loss: self.has_data_loss,
+            records: vec![],
+        }
+    }
+}
+
+impl Transport for InProcess {
+    async fn send(&self, batch: Batch) -> Result<()> {
+        let parts = split(&batch, self.partitions());
+        let mut waits = vec![];
+        for (p, part) in parts.into_iter().enumerate() {
+            let partition = p as u32;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let slice = Slice {
+                batch: part,
+                ack: tx,
+            };
+            // Bounded: when an applier is behind, wait (off the async
+            // workers) for room instead of buffering without limit.
+            let sender = self.senders[p].clone();
+            tokio::task::spawn_blocking(move || sender.send(slice))
+                .await
+                .map_err(|_| Error::Disconnected { partition })?
+                .map_err(|_| Error::Disconnected { partition })?;
+            waits.push((partition, rx));
+        }
+        for (partition, rx) in waits {
+            match rx.await {
+                Ok(Ok(())) => {}
+                Ok(Err(message)) => return Err(Error::ApplierFailed { partition, message }),
+                Err(_) => return Err(Error::Disconnected { partition }),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The applier side of the in-process transport: every partition's
+/// channel, read as one [`Inbox`].
+///
+/// The extractor sends one slice to every partition per batch and waits for
+/// all of them, so a round gathers one slice per open partition (or what
+/// arrived within [`GATHER`] of the first) and the applier applies them
+/// concurrently.
+pub struct InProcessInbox {
+    receivers: Vec<crossbeam_channel::Receiver<Slice>>,
+    /// Partitions whose sender is still there.
+    open: std::collections::BTreeSet<u32>,
+    /// Delivered slices waiting for [`Inbox::committed`].
+    unacked: HashMap<u32, Slice>,
+    /// Whether the one [`Membership::Assigned`] (all partitions) was given.
+    announced: bool,
+    dialect: Dialect,
+}
+
+/// How long a round waits for the other partitions' slices of a batch once
+/// the first arrived.
+const GATHER: Duration = Duration::from_millis(50);
+/// How long an empty round waits.
+const IDLE: Duration = Duration::from_millis(200);
+
+/// What one blocking wait over the channels gave.
+enum Got {
+    Slice(u32, Slice),
+    Closed(u32),
+    Nothing,
+}
+
+/// Waits up to `timeout` for a slice on any of `partitions`.
+fn wait_any(
+    receivers: &[crossbeam_channel::Receiver<Slice>],
+    partitions: &[u32],
+    timeout: Duration,
+) -> Got {
+    if partitions.is_empty() {
+        return Got::Nothing;
+    }
+    let mut sel = crossbeam_channel::Select::new();
+    for p in partitions {
+        sel.recv(&receivers[*p as usize]);
+    }
+    match sel.select_timeout(timeout) {
+        Err(_) => Got::Nothing,
+        Ok(op) => {
+            let p = partitions[op.index()];
+            match op.recv(&receivers[p as usize]) {
+                Ok(s) => Got::Slice(p, s),
+                Err(_) => Got::Closed(p),
+            }
+        }
+    }
+}
+
+impl InProcessInbox {
+    /// Partitions that may deliver: open, and not waiting for an ack.
+    fn ready(&self) -> Vec<u32> {
+        self.open
+            .iter()
+            .copied()
+            .filter(|p| !self.unacked.contains_key(p))
+            .collect()
+    }
+
+    fn take(&mut self, got: Got, round: &mut Round) {
+        match got {
+            Got::Slice(p, slice) => {
+                let b = &slice.batch;
+                round.deliveries.push(Delivery {
+                    partition: p,
+                    lower: Checkpoint::Source(b.lower),
+                    upper: Checkpoint::Source(b.upper),
+                    has_data_loss: b.has_data_loss,
+                    records: b.records.clone(),
+                    dead_letters: 0,
+                });
+                self.unacked.insert(p, slice);
+            }
+            Got::Closed(p) => {
+                self.open.remove(&p);
+            }
+            Got::Nothing => {}
+        }
+    }
+}
+
+impl Inbox for InProcessInbox {
+    fn topic(&self) -> &str {
+        IN_PROCESS_TOPIC
+    }
+
+    fn checkpoint_kind(&self) -> CheckpointKind {
+        CheckpointKind::Source(self.dialect)
+    }
+
+    async fn next(&mut self) -> Result<Round> {
+        let mut round = Round::default();
+        if !self.announced {
+            self.announced = true;
+            round
+                .membership
+                .push(Membership::Assigned(self.open.iter().copied().collect()));
+        }
+        // The channels block: wait on them off the async workers.
+        let receivers = self.receivers.clone();
+        let ready = self.ready();
+        let first = tokio::task::spawn_blocking(move || wait_any(&receivers, &ready, IDLE))
+            .await
+            .map_err(|e| Error::Consumer {
+                message: format!("waiting on the in-process channels: {e}"),
+            })?;
+        let got_one = matches!(first, Got::Slice(..));
+        self.take(first, &mut round);
+        if got_one {
+            let deadline = Instant::now() + GATHER;
+            loop {
+                let ready = self.ready();
+                let left = deadline.saturating_duration_since(Instant::now());
+                if ready.is_empty() || left.is_zero() {
+                    break;
+                }
+                let receivers = self.receivers.clone();
+                let got = tokio::task::spawn_blocking(move || wait_any(&receivers, &ready, left))
+                    .await
+                    .map_err(|e| Error::Consumer {
+                        message: format!("waiting on the in-process channels: {e}"),
+                    })?;
+                if matches!(got, Got::Nothing) {
+                    break;
+                }
+                self.take(got, &mut round);
+            }
+        }
+        round.closed = self.open.is_empty() && self.unacked.is_empty();
+        Ok(round)
+    }
+
+    async fn committed(
+        &mut self,
+        partition: u32,
+        outcome: std::result::Result<Checkpoint, String>,
+    ) -> Result<()> {
+        if let Some(slice) = self.unacked.remove(&partition) {
+            slice.ack(outcome.map(|_| ()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to move: the extractor re-sends from its marker, and the
+    /// applier drops what its progress already covers.
+    async fn seek(&mut self, _partition: u32, _to: Option<Checkpoint>) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use skein_common::{ChangePosition, ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
+
+    use super::*;
+
+    fn rec(key: &str, seq: u32) -> ChangeRecord {
+        ChangeRecord {
+            entity: "customer".into(),
+            root_key: RootKey(vec![Some(key.into())]),
+            table: "public.customer".into(),
+            op: Op::Update,
+            position: ChangePosition {
+                commit: PgLsn(100).into(),
+                seq,
+            },
+            tx_id: 1,
+            commit_time_micros: 0,
+        }
+    }
+
+    #[test]
+    fn split_keeps_one_key_in_one_partition_in_order() {
+        let records: Vec<_> = (0..200).map(|i| rec(&(i % 20).to_string(), i)).collect();
+        let b = Batch {
+            seq: 1,
+            lower: PgLsn(1).into(),
+            upper: PgLsn(100).into(),
+            has_data_loss: false,
+            records,
+        };
+        let parts = split(&b, 4);
+        assert_eq!(parts.iter().map(|p| p.records.len()).sum::<usize>(), 200);
+        for p in &parts {
+            assert_eq!(p.upper, SourcePosition::Pg(PgLsn(100)));
+            for k in 0..20 {
+                let seqs: Vec<u32> = p
+                    .records
+                    .iter()
+                    .filter(|r| r.root_key.0[0].as_deref() == Some(&k.to_string()))
+                    .map(|r| r.position.seq)
+                    .collect();
+                assert!(seqs.windows(2).all(|w| w[0] < w[1]));
+            }
+        }
+        for k in 0..20 {
+            let holders = parts
+                .iter()
+                .filter(|p| {
+                    p.records
+                        .iter()
+                        .any(|r| r.root_key.0[0].as_deref() == Some(&k.to_string()))
+                })
+                .count();
+            assert_eq!(holders, 1);
+        }
+    }
+
+    #[tokio::test]
+    async fn send_waits_for_every_partition_and_reports_failures() {
+        let (t, mut inbox) = InProcess::new(2, 1, Dialect::Postgres);
+        let appliers = tokio::spawn(async move {
+            let mut delivered = vec![];
+            while delivered.len() < 2 {
+                let round = inbox.next().await.unwrap();
+                delivered.extend(round.deliveries.iter().map(|d| d.partition));
+            }
+            delivered.sort();
+            assert_eq!(delivered, vec![0, 1]);
+            inbox
+                .committed(0, Ok(Checkpoint::Source(PgLsn(2).into())))
+                .await
+                .unwrap();
+            inbox.committed(1, Err("boom".into())).await.unwrap();
+            inbox
+        });
+        let b = Batch {
+            seq: 1,
+            lower: PgLsn(1).into(),
+            upper: PgLsn(2).into(),
+            has_data_loss: false,
+            records: vec![rec("1", 0)],
+        };
+        let e = t.send(b).await.unwrap_err();
+        assert!(
+            matches!(e, Error::ApplierFailed { partition: 1, .. }),
+            "{e}"
+        );
+        appliers.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn inbox_assigns_every_partition_then_closes_with_the_sender() {
+        let (t, mut inbox) = InProcess::new(3, 1, Dialect::Postgres);
+        let first = inbox.next().await.unwrap();
+        assert_eq!(first.membership, vec![Membership::Assigned(vec![0, 1, 2])]);
+        assert!(first.deliveries.is_empty() && !first.closed);
+        assert_eq!(inbox.topic(), IN_PROCESS_TOPIC);
+        drop(t);
+        let mut closed = false;
+        for _ in 0..10 {
+            let r = inbox.next().await.unwrap();
+            assert!(r.membership.is_empty() && r.deliveries.is_empty());
+            if r.closed {
+                closed = true;
+                break;
+            }
+        }
+        assert!(closed, "the inbox never saw the sender go");
+    }
+
+    #[tokio::test]
+    async fn a_partition_delivers_again_only_after_its_ack() {
+        let (t, mut inbox) = InProcess::new(1, 4, Dialect::Postgres);
+        let batch = |u| Batch {
+            seq: u,
+            lower: PgLsn(u).into(),
+            upper: PgLsn(u + 1).into(),
+            has_data_loss: false,
+            records: vec![rec("1", 0)],
+        };
+        let sender = tokio::spawn(async move {
+            t.send(batch(1)).await.unwrap();
+            t.send(batch(2)).await.unwrap();
+        });
+        let mut uppers = vec![];
+        while uppers.len() < 2 {
+            let r = inbox.next().await.unwrap();
+            assert!(r.deliveries.len() <= 1);
+            for d in r.deliveries {
+                assert_eq!(
+                    d.lower,
+                    Checkpoint::Source(PgLsn(uppers.len() as u64 + 1).into())
+                );
+                uppers.push(d.upper);
+                // Not acknowledged yet: the next round delivers nothing.
+                if uppers.len() == 1 {
+                    let idle = inbox.next().await.unwrap();
+                    assert!(idle.deliveries.is_empty());
+                }
+                inbox.committed(0, Ok(d.upper)).await.unwrap();
+            }
+        }
+        sender.await.unwrap();
+        assert_eq!(
+            uppers,
+            vec![
+                Checkpoint::Source(PgLsn(2).into()),
+                Checkpoint::Source(PgLsn(3).into())
+            ]
+        );
+    }
+}

@@ -1,0 +1,345 @@
+//! Topic administration and the read-only look-ups of `skein status` and
+//! `skein replay`. librdkafka's calls block: the async ones here run them
+//! off the async workers.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::Message;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tracing::{info, warn};
+
+use super::codec::decode;
+use super::{kafka, KafkaTransportError};
+
+/// Creates `topic` with `partitions` partitions when it is missing, and
+/// checks the partition count of an existing one.
+pub async fn ensure_topic(
+    config: &ClientConfig,
+    topic: &str,
+    partitions: u32,
+    replication_factor: i32,
+) -> std::result::Result<(), KafkaTransportError> {
+    let admin: AdminClient<DefaultClientContext> = config
+        .create()
+        .map_err(kafka("creating the admin client"))?;
+    // Fail fast and clearly when no broker answers.
+    let brokers = config
+        .get("bootstrap.servers")
+        .unwrap_or_default()
+        .to_string();
+    tokio::task::block_in_place(|| admin.inner().fetch_metadata(None, Duration::from_secs(15)))
+        .map_err(kafka(format!("no Kafka broker answered at `{brokers}`")))?;
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(
+                topic,
+                partitions as i32,
+                TopicReplication::Fixed(replication_factor),
+            )],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .map_err(kafka(format!("creating topic `{topic}`")))?;
+    for r in results {
+        match r {
+            Ok(t) => info!(topic = %t, partitions, "created topic"),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((t, code)) => {
+                return Err(KafkaTransportError::Kafka {
+                    context: format!("creating topic `{t}`"),
+                    source: KafkaError::AdminOp(code),
+                })
+            }
+        }
+    }
+    let actual = partition_count(&admin, topic).await?;
+    if actual < partitions as usize {
+        return Err(KafkaTransportError::TooFewPartitions {
+            topic: topic.into(),
+            actual,
+            configured: partitions,
+        });
+    }
+    if actual > partitions as usize {
+        warn!(
+            topic,
+            actual,
+            partitions,
+            "topic has more partitions than configured; the extra ones stay unused"
+        );
+    }
+    Ok(())
+}
+
+async fn partition_count(
+    admin: &AdminClient<DefaultClientContext>,
+    topic: &str,
+) -> std::result::Result<usize, KafkaTransportError> {
+    // Metadata can lag a fresh create for a moment.
+    for _ in 0..50 {
+        let md = tokio::task::block_in_place(|| {
+            admin
+                .inner()
+                .fetch_metadata(Some(topic), Duration::from_secs(10))
+        })
+        .map_err(kafka(format!("reading metadata of `{topic}`")))?;
+        if let Some(t) = md.topics().iter().find(|t| t.name() == topic) {
+            if t.error().is_none() && !t.partitions().is_empty() {
+                return Ok(t.partitions().len());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(KafkaTransportError::Kafka {
+        context: format!("topic `{topic}` has no metadata after creation"),
+        source: KafkaError::MetadataFetch(RDKafkaErrorCode::UnknownTopicOrPartition),
+    })
+}
+
+/// Each partition's low and high watermark (log start, log end).
+pub fn watermarks(
+    config: &ClientConfig,
+    topic: &str,
+    partitions: u32,
+) -> std::result::Result<Vec<(i64, i64)>, KafkaTransportError> {
+    let c: BaseConsumer = config.create().map_err(kafka("creating a Kafka client"))?;
+    (0..partitions as i32)
+        .map(|p| {
+            c.fetch_watermarks(topic, p, Duration::from_secs(10))
+                .map_err(kafka(format!("reading the watermarks of partition {p}")))
+        })
+        .collect()
+}
+
+/// Where `skein replay` rewinds from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayFrom {
+    /// This offset.
+    Offset(i64),
+    /// The first offset at or after this time (ms since the Unix epoch).
+    Time(i64),
+}
+
+/// What a replay would do, read from Kafka without changing anything.
+#[derive(Debug, Default)]
+pub struct ReplayPlan {
+    /// Active members of the appliers' group (`id (host)`).
+    pub members: Vec<String>,
+    /// Per partition to rewind: its current progress and the target offset.
+    pub targets: BTreeMap<u32, (i64, i64)>,
+    /// `(entity, canonical root key)` of every record in the rewound
+    /// ranges (only when asked for: `--republish`).
+    pub affected: BTreeSet<(String, String)>,
+}
+
+/// Plans a replay of `group` on `topic`: the group's members, the target
+/// offset of every partition in `current` (its progress: the next offset,
+/// `None` when never consumed, which is left alone), and with `republish`
+/// the aggregates in the rewound ranges. Refuses to move a partition
+/// forward. Blocking.
+pub fn plan_replay(
+    config: &ClientConfig,
+    group: &str,
+    topic: &str,
+    current: &BTreeMap<u32, Option<i64>>,
+    from: ReplayFrom,
+    republish: bool,
+) -> std::result::Result<ReplayPlan, KafkaTransportError> {
+    let mut c = config.clone();
+    c.set("group.id", format!("{group}-replay-{}", std::process::id()))
+        .set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = c.create().map_err(kafka("creating a Kafka client"))?;
+    let groups = consumer
+        .fetch_group_list(Some(group), Duration::from_secs(10))
+        .map_err(kafka("describing the consumer group"))?;
+    let members: Vec<String> = groups
+        .groups()
+        .iter()
+        .flat_map(|g| {
+            g.members()
+                .iter()
+                .map(|m| format!("{} ({})", m.id(), m.client_host()))
+        })
+        .collect();
+    let from_offsets: HashMap<u32, i64> = match from {
+        ReplayFrom::Offset(o) => current.keys().map(|p| (*p, o)).collect(),
+        ReplayFrom::Time(ms) => {
+            let mut tpl = TopicPartitionList::new();
+            for p in current.keys() {
+                tpl.add_partition_offset(topic, *p as i32, Offset::Offset(ms))
+                    .map_err(kafka("looking up offsets for the time"))?;
+            }
+            let found = consumer
+                .offsets_for_times(tpl, Duration::from_secs(10))
+                .map_err(kafka("looking up offsets for the time"))?;
+            let mut m = HashMap::new();
+            for e in found.elements() {
+                // No record at or after the time (End): nothing to replay
+                // there, so that partition is left out.
+                if let Offset::Offset(o) = e.offset() {
+                    m.insert(e.partition() as u32, o);
+                }
+            }
+            // Trust but verify: step over records before the time (a broker
+            // answered with an earlier offset, seen with tansu when no
+            // record is after the time).
+            let ends: HashMap<u32, i64> = current
+                .iter()
+                .filter_map(|(p, o)| o.map(|o| (*p, o)))
+                .collect();
+            first_at_or_after(&consumer, topic, &m, &ends, ms)?
+        }
+    };
+    let mut targets = BTreeMap::new();
+    for (p, cur) in current {
+        let Some(cur) = *cur else {
+            continue; // never consumed: nothing to rewind
+        };
+        let Some(&to) = from_offsets.get(p) else {
+            continue;
+        };
+        if to > cur {
+            return Err(KafkaTransportError::Refused(format!(
+                "partition {p}: offset {to} is after the progress {cur}; replay only rewinds \
+                 (moving forward would skip records)"
+            )));
+        }
+        if to < cur {
+            targets.insert(*p, (cur, to));
+        }
+    }
+    let mut affected = BTreeSet::new();
+    if republish && !targets.is_empty() {
+        let ranges: HashMap<u32, (i64, i64)> = targets
+            .iter()
+            .map(|(p, (cur, to))| (*p, (*to, *cur)))
+            .collect();
+        read_ranges(&consumer, topic, &ranges, |bytes| {
+            if let Ok(env) = decode(bytes) {
+                if let Some(r) = env.record {
+                    affected.insert((r.entity.clone(), r.root_key.canonical()));
+                }
+            }
+            true
+        })?;
+    }
+    Ok(ReplayPlan {
+        members,
+        targets,
+        affected,
+    })
+}
+
+/// Reads every partition's records in `[from, end)` and hands each
+/// payload to `each` (which returns `false` to stop that partition).
+fn read_ranges(
+    consumer: &BaseConsumer,
+    topic: &str,
+    ranges: &HashMap<u32, (i64, i64)>,
+    mut each: impl FnMut(&[u8]) -> bool,
+) -> std::result::Result<(), KafkaTransportError> {
+    let mut tpl = TopicPartitionList::new();
+    let mut pending: HashMap<i32, i64> = HashMap::new();
+    for (p, (from, end)) in ranges {
+        if from < end {
+            tpl.add_partition_offset(topic, *p as i32, Offset::Offset(*from))
+                .map_err(kafka("assigning the replayed range"))?;
+            pending.insert(*p as i32, *end);
+        }
+    }
+    if pending.is_empty() {
+        return Ok(());
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(kafka("assigning the replayed range"))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !pending.is_empty() {
+        if Instant::now() > deadline {
+            return Err(KafkaTransportError::Refused(format!(
+                "reading the replayed range timed out (partitions {:?} unfinished)",
+                pending.keys()
+            )));
+        }
+        let Some(m) = consumer.poll(Duration::from_millis(500)) else {
+            continue;
+        };
+        let m = m.map_err(kafka("reading the replayed range"))?;
+        let (p, off) = (m.partition(), m.offset());
+        let Some(end) = pending.get(&p).copied() else {
+            continue;
+        };
+        let go_on = off < end && each(m.payload().unwrap_or_default());
+        if !go_on || off + 1 >= end {
+            pending.remove(&p);
+        }
+    }
+    consumer
+        .unassign()
+        .map_err(kafka("releasing the replayed range"))?;
+    Ok(())
+}
+
+/// For each partition, the first offset in `[from, end)` whose record's
+/// timestamp is at or after `ms`; partitions with none are left out.
+fn first_at_or_after(
+    consumer: &BaseConsumer,
+    topic: &str,
+    from: &HashMap<u32, i64>,
+    end: &HashMap<u32, i64>,
+    ms: i64,
+) -> std::result::Result<HashMap<u32, i64>, KafkaTransportError> {
+    let ranges: HashMap<u32, (i64, i64)> = from
+        .iter()
+        .filter_map(|(p, o)| end.get(p).map(|e| (*p, (*o, *e))))
+        .collect();
+    let mut out = HashMap::new();
+    let mut tpl = TopicPartitionList::new();
+    let mut pending: HashMap<i32, i64> = HashMap::new();
+    for (p, (o, e)) in &ranges {
+        if o < e {
+            tpl.add_partition_offset(topic, *p as i32, Offset::Offset(*o))
+                .map_err(kafka("reading record timestamps"))?;
+            pending.insert(*p as i32, *e);
+        }
+    }
+    if pending.is_empty() {
+        return Ok(out);
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(kafka("reading record timestamps"))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !pending.is_empty() {
+        if Instant::now() > deadline {
+            return Err(KafkaTransportError::Refused(format!(
+                "reading timestamps timed out (partitions {:?})",
+                pending.keys()
+            )));
+        }
+        let Some(m) = consumer.poll(Duration::from_millis(500)) else {
+            continue;
+        };
+        let m = m.map_err(kafka("reading record timestamps"))?;
+        let p = m.partition();
+        let Some(&e) = pending.get(&p) else {
+            continue;
+        };
+        if m.timestamp().to_millis().is_some_and(|t| t >= ms) {
+            out.insert(p as u32, m.offset());
+            pending.remove(&p);
+        } else if m.offset() + 1 >= e {
+            pending.remove(&p);
+        }
+    }
+    consumer
+        .unassign()
+        .map_err(kafka("releasing the timestamp look-up"))?;
+    Ok(out)
+}

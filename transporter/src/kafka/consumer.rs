@@ -1,0 +1,598 @@
+//! The applier side over Kafka: one member of the appliers' consumer group.
+//!
+//! On assignment the rebalance callback asks the applier where each
+//! partition resumes ([`ResumeAt`], read from the sidecar) and assigns the
+//! partition at that offset: the sidecar, not Kafka's committed offset, is
+//! the truth; the Kafka offset is committed after the sidecar, for lag tools
+//! only. Rebalance callbacks run inside `poll`, never while a round is being
+//! applied, so a revoked partition's round has either been committed or is
+//! dropped unapplied. Records that cannot be decoded go to the dead-letter
+//! topic ([`super::dlq_topic`]) with the reason in a header.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::ClientContext;
+use skein_common::{ChangeRecord, Checkpoint, CheckpointKind};
+use tracing::{error, info, warn};
+
+use super::codec::decode;
+use super::{dlq_topic, reliable_producer_config};
+use crate::{Delivery, Error, Inbox, Membership, Result, Round};
+
+/// Where each newly assigned partition resumes: the next offset to consume
+/// from the sidecar's progress, `None` for a partition never applied (it
+/// starts at the log's beginning). Called from the rebalance callback, on
+/// the polling thread: it may block.
+pub type ResumeAt =
+    Arc<dyn Fn(&[u32]) -> std::result::Result<HashMap<u32, Option<i64>>, String> + Send + Sync>;
+
+/// What the [`KafkaInbox`] needs besides the client configuration.
+pub struct InboxSettings {
+    /// The change topic.
+    pub topic: String,
+    /// The consumer group of the appliers.
+    pub group: String,
+    /// Static membership (`group.instance.id`), when given.
+    pub instance_id: Option<String>,
+    /// Entities this applier knows; a record of another goes to the
+    /// dead-letter topic.
+    pub entities: HashSet<String>,
+    /// Most records one round takes.
+    pub max_records: usize,
+    /// Longest a round collects records.
+    pub wait: Duration,
+}
+
+struct InboxContext {
+    topic: String,
+    resume: ResumeAt,
+    membership: Mutex<Vec<Membership>>,
+    failed: Mutex<Option<String>>,
+}
+
+impl InboxContext {
+    fn push(&self, m: Membership) {
+        if let Ok(mut v) = self.membership.lock() {
+            v.push(m);
+        }
+    }
+
+    fn take(&self) -> Vec<Membership> {
+        self.membership
+            .lock()
+            .map(|mut v| std::mem::take(&mut *v))
+            .unwrap_or_default()
+    }
+
+    fn fail(&self, message: String) {
+        error!(error = %message, "rebalance failed");
+        if let Ok(mut f) = self.failed.lock() {
+            f.get_or_insert(message);
+        }
+    }
+}
+
+/// Where a partition resumes: its committed progress, or the beginning
+/// when it has none.
+fn start_offset(next: Option<i64>) -> Offset {
+    next.map(Offset::Offset).unwrap_or(Offset::Beginning)
+}
+
+impl ClientContext for InboxContext {}
+
+impl ConsumerContext for InboxContext {
+    /// Assigns each partition at its sidecar progress (or the beginning when
+    /// it has none), so consumption resumes exactly after the last committed
+    /// batch whatever Kafka's committed offset says.
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let parts: Vec<u32> = tpl
+            .elements()
+            .iter()
+            .filter(|e| e.topic() == self.topic)
+            .map(|e| e.partition() as u32)
+            .collect();
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                match (self.resume)(&parts) {
+                    Ok(progress) => {
+                        for (p, next) in &progress {
+                            if let Err(e) = tpl.set_partition_offset(
+                                &self.topic,
+                                *p as i32,
+                                start_offset(*next),
+                            ) {
+                                self.fail(format!("setting the start of partition {p}: {e}"));
+                            }
+                        }
+                        info!(partitions = ?parts, progress = ?progress.iter().collect::<BTreeMap<_, _>>(), "partitions assigned");
+                    }
+                    Err(e) => self.fail(format!("reading progress on assignment: {e}")),
+                }
+                let r = if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                };
+                if let Err(e) = r {
+                    self.fail(format!("assigning partitions: {e}"));
+                }
+                self.push(Membership::Assigned(parts));
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                info!(partitions = ?parts, "partitions revoked");
+                self.push(Membership::Revoked(parts));
+                let r = if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                };
+                if let Err(e) = r {
+                    warn!(error = %e, "unassigning partitions");
+                }
+            }
+            other => {
+                warn!(error = ?other, "rebalance error; dropping the assignment");
+                self.push(Membership::Revoked(parts));
+                let _ = consumer.unassign();
+            }
+        }
+    }
+}
+
+/// One partition's records collected in a round.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct PartBuf {
+    first: i64,
+    next: i64,
+    records: Vec<ChangeRecord>,
+    has_data_loss: bool,
+    dead_letters: i32,
+}
+
+/// The rebalance bookkeeping of the inbox, pure: which partitions are owned,
+/// and what one round collected for each.
+#[derive(Debug, Default)]
+pub(crate) struct Buffers {
+    owned: BTreeSet<u32>,
+    bufs: BTreeMap<u32, PartBuf>,
+}
+
+impl Buffers {
+    /// Acts on an assignment change: what was buffered for the partition
+    /// (before a revocation, or under a previous assignment) is dropped, so
+    /// nothing from an old owner's range is applied.
+    pub(crate) fn membership(&mut self, m: &Membership) {
+        match m {
+            Membership::Assigned(ps) => {
+                for p in ps {
+                    self.owned.insert(*p);
+                    self.bufs.remove(p);
+                }
+            }
+            Membership::Revoked(ps) => {
+                for p in ps {
+                    self.owned.remove(p);
+                    self.bufs.remove(p);
+                }
+            }
+        }
+    }
+
+    /// Whether the record at `offset` of `p` is taken: the partition is
+    /// owned, and the offset follows what this round already holds (a
+    /// record fetched before a seek is not taken twice).
+    pub(crate) fn offer(&mut self, p: u32, offset: i64) -> bool {
+        if !self.owned.contains(&p) {
+            return false;
+        }
+        let buf = self.bufs.entry(p).or_insert_with(|| PartBuf {
+            first: offset,
+            next: offset,
+            ..PartBuf::default()
+        });
+        if offset < buf.next {
+            return false;
+        }
+        buf.next = offset + 1;
+        true
+    }
+
+    fn buf(&mut self, p: u32) -> Option<&mut PartBuf> {
+        self.bufs.get_mut(&p)
+    }
+
+    /// Forgets what the round holds for `p` (after a seek).
+    pub(crate) fn forget(&mut self, p: u32) {
+        self.bufs.remove(&p);
+    }
+
+    /// The round's deliveries, one per partition, in partition order.
+    pub(crate) fn take(&mut self) -> Vec<Delivery> {
+        std::mem::take(&mut self.bufs)
+            .into_iter()
+            .map(|(p, b)| Delivery {
+                partition: p,
+                lower: Checkpoint::Offset(b.first),
+                upper: Checkpoint::Offset(b.next),
+                has_data_loss: b.has_data_loss,
+                records: b.records,
+                dead_letters: b.dead_letters,
+            })
+            .collect()
+    }
+
+    /// The partitions owned now.
+    pub(crate) fn owned(&self) -> Vec<u32> {
+        self.owned.iter().copied().collect()
+    }
+}
+
+/// What one blocking poll phase gave, in order.
+enum Polled {
+    Membership(Membership),
+    Message(OwnedMessage),
+}
+
+/// One member of the appliers' consumer group, as an [`Inbox`].
+pub struct KafkaInbox {
+    consumer: Arc<BaseConsumer<InboxContext>>,
+    topic: String,
+    dlq: FutureProducer,
+    dlq_topic: String,
+    entities: HashSet<String>,
+    max_records: usize,
+    wait: Duration,
+    buffers: Buffers,
+}
+
+impl KafkaInbox {
+    /// Joins the group and subscribes to the change topic. `resume` tells
+    /// where an assigned partition starts (see [`ResumeAt`]).
+    pub fn new(
+        config: &ClientConfig,
+        settings: InboxSettings,
+        resume: ResumeAt,
+    ) -> Result<KafkaInbox> {
+        let consumer_error = |what: &str| {
+            let what = what.to_string();
+            move |e: rdkafka::error::KafkaError| Error::Consumer {
+                message: format!("{what}: {e}"),
+            }
+        };
+        let mut c = config.clone();
+        c.set("group.id", &settings.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest");
+        if let Some(id) = &settings.instance_id {
+            c.set("group.instance.id", id);
+        }
+        let ctx = InboxContext {
+            topic: settings.topic.clone(),
+            resume,
+            membership: Mutex::new(vec![]),
+            failed: Mutex::new(None),
+        };
+        let consumer: BaseConsumer<InboxContext> = c
+            .create_with_context(ctx)
+            .map_err(consumer_error("creating the Kafka consumer"))?;
+        consumer
+            .subscribe(&[&settings.topic])
+            .map_err(consumer_error("subscribing to the change topic"))?;
+        let dlq: FutureProducer = reliable_producer_config(config)
+            .create()
+            .map_err(consumer_error("creating the dead-letter producer"))?;
+        info!(group = %settings.group, topic = %settings.topic, "applier joined the group");
+        Ok(KafkaInbox {
+            consumer: Arc::new(consumer),
+            dlq_topic: dlq_topic(&settings.topic),
+            topic: settings.topic,
+            dlq,
+            entities: settings.entities,
+            max_records: settings.max_records.max(1),
+            wait: settings.wait,
+            buffers: Buffers::default(),
+        })
+    }
+
+    /// Leaves the group. librdkafka's close blocks until the group knows
+    /// (and runs the revocation callback): done off the async workers.
+    pub async fn close(self) {
+        let consumer = self.consumer;
+        let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
+    }
+
+    /// The partitions this member owns now.
+    pub fn owned(&self) -> Vec<u32> {
+        self.buffers.owned()
+    }
+
+    /// Polls for up to `wait` or `max` records, off the async workers
+    /// (librdkafka's poll blocks and runs the rebalance callback).
+    async fn poll(&self) -> Result<Vec<Polled>> {
+        let consumer = self.consumer.clone();
+        let (wait, max) = (self.wait, self.max_records);
+        tokio::task::spawn_blocking(move || {
+            let deadline = Instant::now() + wait;
+            let mut out = vec![];
+            let mut taken = 0usize;
+            while taken < max {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                let polled = consumer.poll(left);
+                out.extend(
+                    consumer
+                        .context()
+                        .take()
+                        .into_iter()
+                        .map(Polled::Membership),
+                );
+                match polled {
+                    None => break,
+                    Some(Err(e)) => warn!(error = %e, "consumer error"),
+                    Some(Ok(m)) => {
+                        out.push(Polled::Message(m.detach()));
+                        taken += 1;
+                    }
+                }
+            }
+            out
+        })
+        .await
+        .map_err(|e| Error::Consumer {
+            message: format!("the polling task failed: {e}"),
+        })
+    }
+
+    /// Sends an undecodable record to the dead-letter topic, with the
+    /// reason and where it came from in headers.
+    async fn dead_letter(&self, m: &OwnedMessage, problem: &str) -> Result<()> {
+        let (p, off) = (m.partition(), m.offset());
+        warn!(partition = p, offset = off, error = %problem, topic = %self.dlq_topic, "undecodable record sent to the dead-letter topic");
+        let (ps, os) = (p.to_string(), off.to_string());
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "skein_error",
+                value: Some(problem.as_bytes()),
+            })
+            .insert(Header {
+                key: "skein_topic",
+                value: Some(self.topic.as_bytes()),
+            })
+            .insert(Header {
+                key: "skein_partition",
+                value: Some(ps.as_bytes()),
+            })
+            .insert(Header {
+                key: "skein_offset",
+                value: Some(os.as_bytes()),
+            });
+        let mut rec = FutureRecord::to(&self.dlq_topic)
+            .partition(p)
+            .headers(headers);
+        if let Some(k) = m.key() {
+            rec = rec.key(k);
+        }
+        if let Some(v) = m.payload() {
+            rec = rec.payload(v);
+        }
+        self.dlq
+            .send(rec, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| Error::Broker {
+                message: format!("sending to the dead-letter topic: {e}"),
+            })?;
+        Ok(())
+    }
+}
+
+impl Inbox for KafkaInbox {
+    fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    fn checkpoint_kind(&self) -> CheckpointKind {
+        CheckpointKind::Offset
+    }
+
+    async fn next(&mut self) -> Result<Round> {
+        let polled = self.poll().await?;
+        if let Some(f) = self
+            .consumer
+            .context()
+            .failed
+            .lock()
+            .ok()
+            .and_then(|f| f.clone())
+        {
+            return Err(Error::Consumer { message: f });
+        }
+        let mut round = Round::default();
+        for item in polled {
+            let m = match item {
+                Polled::Membership(m) => {
+                    self.buffers.membership(&m);
+                    round.membership.push(m);
+                    continue;
+                }
+                Polled::Message(m) => m,
+            };
+            let p = m.partition() as u32;
+            if !self.buffers.offer(p, m.offset()) {
+                continue;
+            }
+            let problem = match m.payload().map(decode) {
+                None => Some("a record without a value".to_string()),
+                Some(Err(e)) => Some(e),
+                Some(Ok(env)) => {
+                    let buf = self.buffers.buf(p).expect("offered above");
+                    buf.has_data_loss |= env.has_data_loss;
+                    match env.record {
+                        None => None,
+                        Some(r) if self.entities.contains(&r.entity) => {
+                            buf.records.push(r);
+                            None
+                        }
+                        Some(r) => Some(format!("unknown entity `{}`", r.entity)),
+                    }
+                }
+            };
+            if let Some(problem) = problem {
+                self.dead_letter(&m, &problem).await?;
+                if let Some(buf) = self.buffers.buf(p) {
+                    buf.dead_letters += 1;
+                }
+            }
+        }
+        round.deliveries = self.buffers.take();
+        Ok(round)
+    }
+
+    /// Commits the consumer offset (advisory: lag tools read it; the
+    /// sidecar's progress is what an applier resumes from).
+    async fn committed(
+        &mut self,
+        partition: u32,
+        outcome: std::result::Result<Checkpoint, String>,
+    ) -> Result<()> {
+        let Ok(Checkpoint::Offset(next)) = outcome else {
+            return Ok(());
+        };
+        let mut tpl = TopicPartitionList::new();
+        if let Err(e) =
+            tpl.add_partition_offset(&self.topic, partition as i32, Offset::Offset(next))
+        {
+            warn!(error = %e, "committing Kafka offsets (advisory) failed");
+            return Ok(());
+        }
+        if let Err(e) = self.consumer.commit(&tpl, CommitMode::Async) {
+            warn!(error = %e, "committing Kafka offsets (advisory) failed");
+        }
+        Ok(())
+    }
+
+    /// Seeks the partition to `to` (its beginning when `None`). A failed
+    /// seek is an error: consuming on from the old offset could skip the
+    /// records between the stored progress and there.
+    async fn seek(&mut self, partition: u32, to: Option<Checkpoint>) -> Result<()> {
+        self.buffers.forget(partition);
+        let next = match to {
+            None => None,
+            Some(Checkpoint::Offset(o)) => Some(o),
+            Some(other) => {
+                return Err(Error::Consumer {
+                    message: format!("cannot seek partition {partition} to {other}: not an offset"),
+                })
+            }
+        };
+        let consumer = self.consumer.clone();
+        let topic = self.topic.clone();
+        tokio::task::spawn_blocking(move || {
+            consumer.seek(
+                &topic,
+                partition as i32,
+                start_offset(next),
+                Duration::from_secs(10),
+            )
+        })
+        .await
+        .map_err(|e| Error::Consumer {
+            message: format!("the seek task failed: {e}"),
+        })?
+        .map_err(|e| Error::Consumer {
+            message: format!("seeking partition {partition} to {next:?}: {e}"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deliveries(b: &mut Buffers) -> Vec<(u32, i64, i64)> {
+        b.take()
+            .into_iter()
+            .map(|d| {
+                (
+                    d.partition,
+                    d.lower.offset().unwrap(),
+                    d.upper.offset().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn only_owned_partitions_are_taken() {
+        let mut b = Buffers::default();
+        assert!(!b.offer(0, 5), "nothing is owned before an assignment");
+        b.membership(&Membership::Assigned(vec![0, 2]));
+        assert!(b.offer(0, 5));
+        assert!(!b.offer(1, 7));
+        assert!(b.offer(2, 9));
+        assert_eq!(deliveries(&mut b), vec![(0, 5, 6), (2, 9, 10)]);
+        assert_eq!(b.owned(), vec![0, 2]);
+    }
+
+    #[test]
+    fn a_revocation_drops_what_the_round_held() {
+        let mut b = Buffers::default();
+        b.membership(&Membership::Assigned(vec![0, 1]));
+        assert!(b.offer(0, 10) && b.offer(0, 11) && b.offer(1, 3));
+        b.membership(&Membership::Revoked(vec![0]));
+        assert!(!b.offer(0, 12), "a revoked partition takes nothing more");
+        assert_eq!(deliveries(&mut b), vec![(1, 3, 4)]);
+        // Assigned again (perhaps at another offset): starts afresh.
+        b.membership(&Membership::Assigned(vec![0]));
+        assert!(b.offer(0, 4));
+        assert_eq!(deliveries(&mut b), vec![(0, 4, 5)]);
+    }
+
+    #[test]
+    fn a_reassignment_mid_round_drops_the_old_range() {
+        let mut b = Buffers::default();
+        b.membership(&Membership::Assigned(vec![3]));
+        assert!(b.offer(3, 100));
+        // Revoked and assigned back in the same poll phase: the sidecar
+        // said where to resume, so the earlier records must not be kept.
+        b.membership(&Membership::Revoked(vec![3]));
+        b.membership(&Membership::Assigned(vec![3]));
+        assert!(b.offer(3, 90));
+        assert_eq!(deliveries(&mut b), vec![(3, 90, 91)]);
+    }
+
+    #[test]
+    fn a_record_before_the_round_s_next_offset_is_not_taken_twice() {
+        let mut b = Buffers::default();
+        b.membership(&Membership::Assigned(vec![0]));
+        assert!(b.offer(0, 1) && b.offer(0, 2));
+        assert!(!b.offer(0, 2));
+        assert!(!b.offer(0, 0));
+        assert!(
+            b.offer(0, 5),
+            "a gap (compaction, control records) is taken"
+        );
+        assert_eq!(deliveries(&mut b), vec![(0, 1, 6)]);
+        b.forget(0);
+        assert!(deliveries(&mut b).is_empty());
+    }
+}
