@@ -17,7 +17,6 @@ pub mod decide;
 pub mod error;
 pub mod event;
 pub mod hydrate;
-pub mod mssql_sidecar;
 pub mod relay;
 pub mod sidecar;
 pub mod sink;
