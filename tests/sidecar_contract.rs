@@ -6,19 +6,30 @@
 //! outbox rows, versions and progress atomically, and only when progress
 //! still holds the expected value (fencing) — a fenced commit writes
 //! nothing; progress reads back exactly, source positions of either
-//! dialect included; the relay sends outbox rows once, in id order.
+//! dialect included; the relay sends outbox rows once, in id order;
+//! `pending` counts what is not relayed; `rewind` moves progress back and
+//! forgets versions atomically, or changes nothing when progress moved.
+//!
+//! Against PostgreSQL also: relays with moving partition ownership, while
+//! batches are committed, deliver every event exactly once and, per
+//! aggregate key, in outbox id order.
 
 mod common;
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use common::{admin_url, connect, recreate_db};
-use skein_applier::relay::{relay_once, RelayScope};
-use skein_applier::sidecar::{AnySidecar, BatchCommit, OutboxRow, Sidecar, VersionRow};
+use skein_applier::relay::{relay_once, run_relay, RelayScope};
+use skein_applier::sidecar::{
+    AnySidecar, BatchCommit, OutboxRow, PgSidecar, Rewind, Sidecar, VersionRow,
+};
 use skein_applier::sink::{Sink, SinkEvent};
 use skein_applier::Error;
 use skein_common::config::Secret;
 use skein_common::{ChangePosition, PgLsn, SourcePosition, SqlServerLsn};
+use tokio_util::sync::CancellationToken;
 
 /// Collects what the relay sends.
 #[derive(Clone, Default)]
@@ -27,6 +38,26 @@ struct Collect(Arc<Mutex<Vec<SinkEvent>>>);
 impl Sink for Collect {
     fn send(&mut self, events: &[SinkEvent]) -> skein_applier::Result<()> {
         self.0.lock().unwrap().extend_from_slice(events);
+        Ok(())
+    }
+}
+
+/// One log for several relays, in the order their sends completed, each
+/// event tagged with the relay that sent it. A send takes `.2` (a slow
+/// broker): the relay holds its rows that long, so another relay would
+/// overtake it if it skipped them.
+#[derive(Clone)]
+struct Tagged(
+    &'static str,
+    Arc<Mutex<Vec<(&'static str, SinkEvent)>>>,
+    Duration,
+);
+
+impl Sink for Tagged {
+    fn send(&mut self, events: &[SinkEvent]) -> skein_applier::Result<()> {
+        std::thread::sleep(self.2);
+        let mut log = self.1.lock().unwrap();
+        log.extend(events.iter().map(|e| (self.0, e.clone())));
         Ok(())
     }
 }
@@ -87,7 +118,7 @@ fn batch(
     }
 }
 
-async fn relay_all(sidecar: &mut AnySidecar) -> Vec<String> {
+async fn relay_all<S: Sidecar>(sidecar: &mut S) -> Vec<String> {
     let sink = Collect::default();
     let mut s = sink.clone();
     while relay_once(sidecar, &mut s, 1, &RelayScope::All)
@@ -105,7 +136,7 @@ async fn relay_all(sidecar: &mut AnySidecar) -> Vec<String> {
     sent
 }
 
-async fn contract(mut sc: AnySidecar, source: impl Fn(u8) -> SourcePosition) {
+async fn contract<S: Sidecar>(mut sc: S, source: impl Fn(u8) -> SourcePosition) {
     sc.migrate().await.unwrap();
     sc.migrate().await.unwrap();
     assert_eq!(
@@ -177,6 +208,90 @@ async fn contract(mut sc: AnySidecar, source: impl Fn(u8) -> SourcePosition) {
     assert!(relay_all(&mut sc).await.is_empty(), "nothing is sent twice");
     let (pending, _) = sc.pending().await.unwrap();
     assert_eq!(pending, 0);
+
+    // Kafka-mode progress (offsets) on two partitions of another topic.
+    let offsets = |partition: u32, offset: i128, first_event: u32, correlation: u32| BatchCommit {
+        topic: "orders".into(),
+        partition,
+        ..batch(None, offset, source(30), first_event, correlation)
+    };
+    sc.commit(&offsets(0, 10, 10, 5)).await.unwrap();
+    sc.commit(&offsets(1, 7, 20, 6)).await.unwrap();
+    let (pending, oldest_ms) = sc.pending().await.unwrap();
+    assert_eq!(pending, 4, "two batches of two events, not yet relayed");
+    assert!(oldest_ms >= 0, "{oldest_ms}");
+
+    let offset = |p: Option<skein_applier::sidecar::Progress>| p.map(|p| p.offset());
+    let forget = vec![("customer".to_string(), "[\"1\"]".to_string())];
+    // Partition 1 is no longer at 99: the whole rewind changes nothing.
+    let stale = Rewind {
+        group: "contract".into(),
+        topic: "orders".into(),
+        partitions: vec![(0, 10, 4), (1, 99, 0)],
+        forget: forget.clone(),
+    };
+    assert!(
+        sc.rewind(&stale).await.is_err(),
+        "a moved partition aborts the rewind"
+    );
+    let p0 = sc.progress("contract", "orders", 0).await.unwrap();
+    assert_eq!(offset(p0), Some(10), "nothing rewound");
+    assert!(p0.unwrap().source.is_some());
+    let kept = sc
+        .versions("customer", &forget_keys(&forget))
+        .await
+        .unwrap();
+    assert_eq!(kept.len(), 1, "nothing forgotten");
+
+    let rewind = Rewind {
+        partitions: vec![(0, 10, 4), (1, 7, 0)],
+        ..stale
+    };
+    sc.rewind(&rewind).await.unwrap();
+    let p0 = sc.progress("contract", "orders", 0).await.unwrap().unwrap();
+    assert_eq!(
+        (p0.offset(), p0.source),
+        (4, None),
+        "back to 4, source forgotten"
+    );
+    let p1 = sc.progress("contract", "orders", 1).await.unwrap();
+    assert_eq!(offset(p1), Some(0));
+    let p2 = sc.progress("contract", "in-process", 2).await.unwrap();
+    assert_eq!(
+        p2.map(|p| p.position),
+        Some(source(20).numeric()),
+        "other topics untouched"
+    );
+    let versions = sc
+        .versions("customer", &["[\"1\"]".into(), "[\"2\"]".into()])
+        .await
+        .unwrap();
+    assert!(
+        !versions.contains_key("[\"1\"]"),
+        "forgotten: publishes again"
+    );
+    assert!(versions.contains_key("[\"2\"]"));
+    // A rewound partition is fenced for an applier that still expects 10.
+    let zombie = BatchCommit {
+        expected: Some(10),
+        ..offsets(0, 12, 30, 7)
+    };
+    assert!(matches!(
+        sc.commit(&zombie).await,
+        Err(Error::Fenced { .. })
+    ));
+
+    // Rewinding does not touch the outbox: the four events are still due once.
+    let sent = relay_all(&mut sc).await;
+    assert_eq!(
+        sent,
+        vec!["{\"n\":10}", "{\"n\":11}", "{\"n\":20}", "{\"n\":21}"]
+    );
+    assert_eq!(sc.pending().await.unwrap(), (0, 0));
+}
+
+fn forget_keys(forget: &[(String, String)]) -> Vec<String> {
+    forget.iter().map(|(_, k)| k.clone()).collect()
 }
 
 fn pg_lsn(b: u8) -> SourcePosition {
@@ -192,18 +307,24 @@ fn ms_lsn(b: u8) -> SourcePosition {
     SqlServerLsn(l).into()
 }
 
-async fn pg_sidecar(db: &str) -> AnySidecar {
+/// A fresh database; its URL.
+async fn pg_db(db: &str) -> Secret {
     let admin = connect(&admin_url()).await;
     recreate_db(&admin, db).await;
-    let url = format!("{}/{db}", admin_url().rsplit_once('/').unwrap().0);
-    AnySidecar::connect(&Secret::new(url), "skein")
+    Secret::new(format!("{}/{db}", admin_url().rsplit_once('/').unwrap().0))
+}
+
+async fn pg_sidecar(db: &str) -> AnySidecar {
+    AnySidecar::connect(&pg_db(db).await, "skein")
         .await
         .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn postgres_sidecar_keeps_the_contract() {
-    contract(pg_sidecar("skein_t_contract_pg").await, pg_lsn).await;
+    let url = pg_db("skein_t_contract_pg").await;
+    let sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    contract(sc, pg_lsn).await;
 }
 
 /// SQL Server positions (80 bits) in a PostgreSQL sidecar: the sidecar of a
@@ -237,4 +358,144 @@ async fn sqlserver_sidecar_keeps_the_contract() {
         .unwrap();
     assert!(matches!(sc, AnySidecar::SqlServer(_)));
     contract(sc, ms_lsn).await;
+}
+
+/// Per aggregate key, the event numbers in outbox id order (the order the
+/// batches were committed and, within one, the order of its outbox rows).
+type PerKey = BTreeMap<String, Vec<u32>>;
+
+fn parse_event(e: &SinkEvent) -> (String, u32) {
+    let v: serde_json::Value = serde_json::from_str(&e.event).unwrap();
+    (
+        v["key"].as_str().unwrap().to_string(),
+        u32::try_from(v["n"].as_u64().unwrap()).unwrap(),
+    )
+}
+
+/// Commits 48 batches over 4 partitions (2 keys each, several events per
+/// key per batch) while two partition-scoped relays run and partitions move
+/// between them, with an overlap where both own the same ones (no skipping:
+/// the second waits for the first's send). Partition 1 ends up owned by
+/// nobody and an all-partitions relay drains it afterwards. Every event
+/// arrives exactly once and, per key, in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
+    const PARTITIONS: u32 = 4;
+    const BATCHES: u32 = 48;
+    let url = pg_db("skein_t_contract_pg_relay").await;
+    let mut writer = PgSidecar::connect(&url, "skein").await.unwrap();
+    writer.migrate().await.unwrap();
+
+    let log: Arc<Mutex<Vec<(&'static str, SinkEvent)>>> = Arc::default();
+    let owned_a: Arc<Mutex<Vec<i32>>> = Arc::new(Mutex::new(vec![0, 1, 2, 3]));
+    let owned_b: Arc<Mutex<Vec<i32>>> = Arc::default();
+    let (cancel_a, cancel_b) = (CancellationToken::new(), CancellationToken::new());
+    // One relay on the bare PostgreSQL sidecar, one on the configured one:
+    // `run_relay` takes any `Sidecar`.
+    let relay_a = tokio::spawn(run_relay(
+        PgSidecar::connect(&url, "skein").await.unwrap(),
+        Box::new(Tagged("a", log.clone(), Duration::from_millis(15))),
+        3,
+        RelayScope::Partitions(owned_a.clone()),
+        cancel_a.clone(),
+    ));
+    let relay_b = tokio::spawn(run_relay(
+        AnySidecar::connect(&url, "skein").await.unwrap(),
+        Box::new(Tagged("b", log.clone(), Duration::ZERO)),
+        2,
+        RelayScope::Partitions(owned_b.clone()),
+        cancel_b.clone(),
+    ));
+
+    let mut expected = PerKey::new();
+    let mut progress: HashMap<u32, i128> = HashMap::new();
+    let mut n = 0u32;
+    for i in 0..BATCHES {
+        match i {
+            // Partitions 2 and 3 move to B: B owns them first (both do for
+            // a while), then A lets go.
+            12 => owned_b.lock().unwrap().extend([2, 3]),
+            18 => owned_a.lock().unwrap().retain(|p| *p < 2),
+            // Partition 0 moves to B at once; partition 1 is left unowned.
+            30 => {
+                owned_b.lock().unwrap().push(0);
+                owned_a.lock().unwrap().clear();
+            }
+            _ => {}
+        }
+        let partition = i % PARTITIONS;
+        let expected_pos = progress.get(&partition).copied();
+        let position = expected_pos.unwrap_or(0) + 1;
+        // Keys `partition` and `partition + 4` live in this partition;
+        // the batch interleaves their events.
+        let mut outbox = vec![];
+        for j in 0..5 {
+            n += 1;
+            let key = format!("k{}", partition + PARTITIONS * ((i / PARTITIONS + j) % 2));
+            expected.entry(key.clone()).or_default().push(n);
+            outbox.push(OutboxRow {
+                event_id: format!("0190a4c2-0000-7000-8000-{n:012}"),
+                entity: "customer".into(),
+                key: key.clone(),
+                etag: None,
+                event: serde_json::json!({ "key": key, "n": n }).to_string(),
+                commit_time_micros: 1_709_243_999_123_456,
+            });
+        }
+        let b = BatchCommit {
+            group: "relay".into(),
+            topic: "orders".into(),
+            partition,
+            expected: expected_pos,
+            position,
+            source: None,
+            dead_letters: 0,
+            lower: expected_pos.unwrap_or(0),
+            upper: position,
+            correlation_id: format!("0190a4c2-0000-7000-9000-{i:012}"),
+            record_count: 5,
+            entity_count: 2,
+            has_data_loss: false,
+            outbox,
+            versions: vec![],
+        };
+        writer.commit(&b).await.unwrap();
+        progress.insert(partition, position);
+        tokio::time::sleep(Duration::from_millis(7)).await;
+    }
+
+    // Both scoped relays drain what they own, then stop.
+    cancel_a.cancel();
+    cancel_b.cancel();
+    relay_a.await.unwrap().unwrap();
+    relay_b.await.unwrap().unwrap();
+    let (left, _) = writer.pending().await.unwrap();
+    assert!(left > 0, "partition 1's last batches are owned by nobody");
+    let scoped = log.lock().unwrap().len();
+    assert_eq!(
+        scoped as i64 + left,
+        i64::from(n),
+        "sent + pending = committed"
+    );
+
+    // The one all-partitions relay takes the rest.
+    let mut s = Tagged("all", log.clone(), Duration::ZERO);
+    while relay_once(&mut writer, &mut s, 4, &RelayScope::All)
+        .await
+        .unwrap()
+        > 0
+    {}
+    assert_eq!(writer.pending().await.unwrap(), (0, 0));
+
+    let mut got = PerKey::new();
+    let mut by_relay: BTreeMap<&str, usize> = BTreeMap::new();
+    for (relay, e) in log.lock().unwrap().iter() {
+        let (key, n) = parse_event(e);
+        got.entry(key).or_default().push(n);
+        *by_relay.entry(relay).or_default() += 1;
+    }
+    assert_eq!(by_relay.len(), 3, "each relay sent some: {by_relay:?}");
+    let total: usize = got.values().map(Vec::len).sum();
+    assert_eq!(total, n as usize, "every event exactly once");
+    assert_eq!(got, expected, "per key, events arrive in outbox id order");
 }

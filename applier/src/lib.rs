@@ -24,7 +24,6 @@ pub mod error;
 pub mod event;
 pub mod fresh;
 pub mod hydrate;
-pub mod mssql_sidecar;
 pub mod relay;
 pub mod run;
 pub mod sidecar;

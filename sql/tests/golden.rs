@@ -445,3 +445,50 @@ fn sqlserver_sidecar_statements_are_frozen() {
     .join("\n");
     check("sqlserver_sidecar_statements.sql", &text);
 }
+
+#[test]
+fn postgres_sidecar_statements_are_frozen() {
+    use skein_sql::postgres::sidecar as sc;
+    let s = "skein";
+    // The DDL inside `migrate` is postgres_sidecar.sql: pinned there, named here.
+    let ddl = sidecar_ddl(s);
+    let migrate = sc::migrate_sql(s);
+    assert_eq!(migrate.matches(ddl.as_str()).count(), 1, "{migrate}");
+    let text = [
+        (
+            "migrate",
+            migrate.replace(&ddl, "-- (the DDL of postgres_sidecar.sql)"),
+        ),
+        ("progress of a partition", sc::progress_sql(s)),
+        ("batch transaction 1a: fence", sc::advance_progress_sql(s)),
+        (
+            "batch transaction 1b: first progress",
+            sc::first_progress_sql(s),
+        ),
+        (
+            "batch transaction, fenced: the position found",
+            sc::fenced_position_sql(s),
+        ),
+        ("batch transaction 2: batch row", sc::batch_insert_sql(s)),
+        ("batch transaction 3: outbox rows", sc::outbox_insert_sql(s)),
+        ("batch transaction 4: versions", sc::versions_upsert_sql(s)),
+        ("versions of some keys", sc::versions_sql(s)),
+        ("pending outbox", sc::pending_sql(s)),
+        ("relay, all partitions", sc::relay_select_all_sql(s)),
+        (
+            "relay, owned partitions",
+            sc::relay_select_partitions_sql(s),
+        ),
+        ("relay: mark dequeued", sc::relay_mark_sql(s)),
+        ("replay: rewind a partition", sc::rewind_sql(s)),
+        (
+            "replay --republish: forget versions",
+            sc::forget_versions_sql(s),
+        ),
+    ]
+    .iter()
+    .map(|(what, sql)| format!("-- {what}\n{sql};\n"))
+    .collect::<Vec<_>>()
+    .join("\n");
+    check("postgres_sidecar_statements.sql", &text);
+}

@@ -1,11 +1,12 @@
 //! The sidecar on SQL Server: the same tables as PostgreSQL's
 //! ([`skein_sql::sqlserver::sidecar_ddl`]) and the same one-transaction
-//! batch commit with fencing, in T-SQL.
+//! batch commit with fencing, rewind and relay step, in T-SQL. Statement
+//! text is in [`skein_sql::sqlserver::sidecar`].
 //!
 //! The connection runs with `SET XACT_ABORT ON`, so any failed statement
-//! dooms the open transaction; [`MssqlSidecar::commit`] rolls back
-//! explicitly on every error path, and a dropped connection is rolled back
-//! by the server.
+//! dooms the open transaction; every transaction here (commit, rewind, relay
+//! step) rolls back explicitly on every error path, and a dropped connection
+//! is rolled back by the server.
 
 use std::collections::HashMap;
 
@@ -15,11 +16,12 @@ use skein_common::mssql::MssqlClient;
 use skein_common::sqlvalue::SqlValue;
 use skein_sql::sqlserver::sidecar as sc;
 
+use super::{
+    parse_numeric, source_position, BatchCommit, OutboxRow, Progress, Rewind, Sidecar, VersionRow,
+};
 use crate::decide::Stored;
 use crate::error::{Error, Result};
-use crate::sidecar::{
-    parse_numeric, source_position, BatchCommit, OutboxRow, Progress, Sidecar, VersionRow,
-};
+use crate::sink::{Sink, SinkEvent};
 
 /// Most parameters one request carries (SQL Server allows 2,100).
 const MAX_PARAMS: usize = 2_000;
@@ -45,11 +47,6 @@ impl MssqlSidecar {
             client,
             schema: schema.to_string(),
         })
-    }
-
-    /// The connection (relay and status use it).
-    pub fn client(&mut self) -> &mut MssqlClient {
-        &mut self.client
     }
 
     /// The schema name.
@@ -211,23 +208,6 @@ impl MssqlSidecar {
             .await?;
         Ok(())
     }
-
-    /// Pending outbox rows and the age of the oldest, in milliseconds.
-    pub async fn pending(&mut self) -> Result<(i64, i64)> {
-        let rows = self
-            .client
-            .query(
-                "counting pending outbox rows",
-                &sc::pending_sql(&self.schema),
-                &[],
-            )
-            .await?;
-        let int = |i: usize| match rows.first().and_then(|r| r.get(i)) {
-            Some(SqlValue::Int(v)) => *v,
-            _ => 0,
-        };
-        Ok((int(0), int(1)))
-    }
 }
 
 impl Sidecar for MssqlSidecar {
@@ -298,7 +278,7 @@ impl Sidecar for MssqlSidecar {
         Ok(out)
     }
 
-    /// Read top to bottom: `BEGIN TRAN`, then [`MssqlSidecar::commit_in_tx`]
+    /// Read top to bottom: `BEGIN TRAN`, then `commit_in_tx`
     /// (fence, batch row, outbox, versions, `COMMIT`), rolled back on any error.
     async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
         self.client.begin("beginning the batch transaction").await?;
@@ -309,6 +289,132 @@ impl Sidecar for MssqlSidecar {
             }
             Err(e) => {
                 self.client.rollback_quietly().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn pending(&mut self) -> Result<(i64, i64)> {
+        let rows = self
+            .client
+            .query(
+                "counting pending outbox rows",
+                &sc::pending_sql(&self.schema),
+                &[],
+            )
+            .await?;
+        let int = |i: usize| match rows.first().and_then(|r| r.get(i)) {
+            Some(SqlValue::Int(v)) => *v,
+            _ => 0,
+        };
+        Ok((int(0), int(1)))
+    }
+
+    async fn rewind(&mut self, r: &Rewind) -> Result<()> {
+        let by_entity = r.forget_by_entity();
+        let schema = self.schema.as_str();
+        let client = &mut self.client;
+        client.begin("beginning the replay transaction").await?;
+        let result: Result<()> = async {
+            for (p, cur, to) in &r.partitions {
+                let n = client
+                    .execute(
+                        "rewinding progress",
+                        &sc::rewind_sql(schema),
+                        &[&r.group.as_str(), &r.topic.as_str(), p, cur, to],
+                    )
+                    .await?;
+                if n != 1 {
+                    return Err(Rewind::moved(*p));
+                }
+            }
+            for (entity, keys) in &by_entity {
+                for chunk in keys.chunks(1_000) {
+                    let mut params: Vec<&dyn tiberius::ToSql> = vec![entity];
+                    for k in chunk {
+                        params.push(k);
+                    }
+                    client
+                        .execute(
+                            "forgetting versions",
+                            &sc::forget_versions_sql(schema, chunk.len()),
+                            &params,
+                        )
+                        .await?;
+                }
+            }
+            Ok(())
+        }
+        .await;
+        match result {
+            Ok(()) => Ok(client.commit("committing the replay").await?),
+            Err(e) => {
+                client.rollback_quietly().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// `UPDLOCK, READPAST` is PostgreSQL's `FOR UPDATE SKIP LOCKED`; a
+    /// partition-scoped relay waits instead of skipping, as on PostgreSQL
+    /// (see [`sc::relay_select_sql`]).
+    async fn relay_once(
+        &mut self,
+        limit: i64,
+        partitions: Option<&[i32]>,
+        sink: &mut dyn Sink,
+    ) -> Result<usize> {
+        if partitions.is_some_and(<[i32]>::is_empty) {
+            return Ok(0);
+        }
+        let schema = self.schema.as_str();
+        let select = sc::relay_select_sql(schema, partitions);
+        let client = &mut self.client;
+        client.begin("beginning the relay transaction").await?;
+        let result = async {
+            let rows = client
+                .query("reading the outbox", &select, &[&limit])
+                .await?;
+            if rows.is_empty() {
+                return Ok(vec![]);
+            }
+            let mut ids = Vec::with_capacity(rows.len());
+            let mut events = Vec::with_capacity(rows.len());
+            for r in rows {
+                let (
+                    Some(SqlValue::Int(id)),
+                    Some(SqlValue::Text(entity)),
+                    Some(SqlValue::Text(event)),
+                ) = (r.first(), r.get(1), r.get(2))
+                else {
+                    return Err(Error::Data(format!("unexpected outbox row {r:?}")));
+                };
+                ids.push(*id);
+                events.push(SinkEvent {
+                    entity: entity.clone(),
+                    event: event.clone(),
+                });
+            }
+            // A sink may block (file sync, broker acknowledgement).
+            tokio::task::block_in_place(|| sink.send(&events))?;
+            failpoint("relay.after_send_before_mark");
+            client
+                .execute(
+                    "marking outbox rows dequeued",
+                    &sc::relay_mark_sql(schema, &ids),
+                    &[],
+                )
+                .await?;
+            Ok(ids)
+        }
+        .await;
+        match result {
+            Ok(ids) => {
+                client.commit("committing the relay transaction").await?;
+                Ok(ids.len())
+            }
+            Err(e) => {
+                client.rollback_quietly().await;
                 Err(e)
             }
         }

@@ -1,5 +1,7 @@
 //! PostgreSQL dialect: CDC enablement, sidecar DDL, catalog, resolution and
-//! hydration queries.
+//! hydration queries. The sidecar's statements are in [`sidecar`].
+
+pub mod sidecar;
 
 pub mod admin;
 

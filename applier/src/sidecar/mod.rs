@@ -1,0 +1,332 @@
+//! The sidecar: batches, versions, progress and the outbox, written in one
+//! transaction per batch, and the outbox the relay drains.
+//!
+//! [`Sidecar`] is the boundary: the applier, the relay and `skein replay`
+//! call only its methods, and each implementation owns its transactions.
+//! One module per database: [`postgres`] ([`PgSidecar`]) and [`sqlserver`]
+//! ([`MssqlSidecar`]); their statement text lives in `skein_sql`
+//! (`postgres::sidecar`, `sqlserver::sidecar`), pinned by golden files.
+//! [`AnySidecar`] is whichever the configuration names, and only delegates.
+
+pub mod postgres;
+pub mod sqlserver;
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+
+use skein_common::config::Secret;
+use skein_common::position::ChangePosition;
+
+use crate::decide::Stored;
+use crate::error::{Error, Result};
+use crate::sink::Sink;
+
+pub use postgres::PgSidecar;
+pub use sqlserver::MssqlSidecar;
+
+/// One outbox row to insert.
+#[derive(Clone, Debug)]
+pub struct OutboxRow {
+    /// CloudEvent id (UUID text).
+    pub event_id: String,
+    /// Entity name.
+    pub entity: String,
+    /// Canonical root key.
+    pub key: String,
+    /// Etag, `None` for deletes.
+    pub etag: Option<String>,
+    /// The CloudEvent JSON exactly as it will be sent.
+    pub event: String,
+    /// Source commit time (µs since the Unix epoch).
+    pub commit_time_micros: i64,
+}
+
+/// One version row to upsert.
+#[derive(Clone, Debug)]
+pub struct VersionRow {
+    /// Entity name.
+    pub entity: String,
+    /// Canonical root key.
+    pub key: String,
+    /// Etag (`None` when deleted).
+    pub etag: Option<String>,
+    /// Deleted.
+    pub is_deleted: bool,
+}
+
+/// Everything one batch commits.
+#[derive(Clone, Debug)]
+pub struct BatchCommit {
+    /// Progress group.
+    pub group: String,
+    /// Progress topic (`in-process` or the Kafka topic).
+    pub topic: String,
+    /// Partition.
+    pub partition: u32,
+    /// The progress this applier started from (`None`: no row yet).
+    pub expected: Option<i128>,
+    /// The new progress.
+    pub position: i128,
+    /// The last source change applied in this partition, after this batch.
+    pub source: Option<ChangePosition>,
+    /// Records sent to the dead-letter topic in this batch.
+    pub dead_letters: i32,
+    /// Batch bounds (for the batch row).
+    pub lower: i128,
+    /// Batch bounds (for the batch row).
+    pub upper: i128,
+    /// Correlation id (UUID text).
+    pub correlation_id: String,
+    /// Records applied.
+    pub record_count: i32,
+    /// Aggregates touched.
+    pub entity_count: i32,
+    /// The source reported lost changes.
+    pub has_data_loss: bool,
+    /// Events.
+    pub outbox: Vec<OutboxRow>,
+    /// Versions.
+    pub versions: Vec<VersionRow>,
+}
+
+/// A partition's committed progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// In-process: the source upper bound ([`SourcePosition::numeric`]);
+    /// Kafka: the next offset to consume.
+    ///
+    /// [`SourcePosition::numeric`]: skein_common::SourcePosition::numeric
+    pub position: i128,
+    /// The last source change applied (Kafka drops re-sent records by it).
+    pub source: Option<ChangePosition>,
+}
+
+impl Progress {
+    /// The position as a Kafka offset (what it is in the Kafka mode).
+    pub fn offset(&self) -> i64 {
+        i64::try_from(self.position).unwrap_or(i64::MAX)
+    }
+}
+
+/// The last source change applied, from `progress.source_commit` (display
+/// form) and `progress.source_seq`.
+pub fn source_position(commit: Option<String>, seq: Option<i64>) -> Result<Option<ChangePosition>> {
+    let Some((c, s)) = commit.zip(seq) else {
+        return Ok(None);
+    };
+    Ok(Some(ChangePosition {
+        commit: c
+            .parse()
+            .map_err(|e| Error::Data(format!("progress.source_commit: {e}")))?,
+        seq: u32::try_from(s)
+            .map_err(|_| Error::Data(format!("progress.source_seq {s} out of range")))?,
+    }))
+}
+
+/// A `numeric(25,0)` position read back as text.
+pub fn parse_numeric(s: &str) -> Result<i128> {
+    s.parse()
+        .map_err(|_| Error::Data(format!("sidecar position `{s}` is not an integer")))
+}
+
+/// The sidecar store.
+///
+/// Contract, for every implementation:
+///
+/// - **One fenced transaction per batch.** [`Sidecar::commit`] writes the
+///   batch row, outbox rows, versions and the new progress atomically, and
+///   only if progress still equals [`BatchCommit::expected`]; otherwise
+///   nothing is written and [`Error::Fenced`] is returned. Committed progress
+///   is the exactly-once recovery marker: a record at or before it is never
+///   applied again.
+/// - **Order.** Outbox ids increase with commit order and, within a batch,
+///   with the order of [`BatchCommit::outbox`]; [`Sidecar::relay_once`]
+///   hands rows to the sink in id order. Together: per aggregate key, events
+///   leave in the order they were committed.
+/// - **No half-written state.** Every method runs its own transaction (the
+///   caller never sees one) and rolls it back on any error.
+/// - **Retry.** Reads, `migrate`, `relay_once` and `rewind` may simply be
+///   retried. A failed `commit` may have an unknown outcome (the connection
+///   dropped during `COMMIT`): read [`Sidecar::progress`] again before
+///   building the next batch, as [`crate::Applier`] does. A fence is final
+///   for this applier: another one owns the partition.
+pub trait Sidecar {
+    /// Creates or upgrades the schema to the current version. Idempotent
+    /// and serialised between processes (an advisory / application lock),
+    /// so every applier calls it at start.
+    fn migrate(&mut self) -> impl Future<Output = Result<()>> + Send;
+
+    /// The committed progress of a partition; `None` before its first
+    /// commit. Reads committed data only.
+    fn progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> impl Future<Output = Result<Option<Progress>>> + Send;
+
+    /// Stored versions of the given canonical keys of an entity; a key that
+    /// never published (or was forgotten by a replay) is absent.
+    fn versions(
+        &mut self,
+        entity: &str,
+        keys: &[String],
+    ) -> impl Future<Output = Result<HashMap<String, Stored>>> + Send;
+
+    /// The one batch transaction, read top to bottom in each implementation:
+    /// fence (move progress from `expected` to `position`, or create it when
+    /// `expected` is `None`), batch row, outbox rows in the given order,
+    /// versions, commit. All of it or none of it. Returns the batch id.
+    ///
+    /// Fencing: when progress is not `expected` (another applier committed,
+    /// or a first progress row already exists), nothing is written and
+    /// [`Error::Fenced`] carries the position found. Failpoints
+    /// `applier.before_commit` / `applier.after_commit` bracket the commit.
+    fn commit(&mut self, batch: &BatchCommit) -> impl Future<Output = Result<i64>> + Send;
+
+    /// Pending (not yet dequeued) outbox rows and the age of the oldest in
+    /// milliseconds (0 when none). Read-only.
+    fn pending(&mut self) -> impl Future<Output = Result<(i64, i64)>> + Send;
+
+    /// Applies a [`Rewind`] in one transaction: each listed partition's
+    /// progress moves from its current offset to the target and forgets its
+    /// last source change; the listed versions are deleted. If any
+    /// partition's progress is no longer its stated current offset (an
+    /// applier committed meanwhile), nothing changes and an error says to
+    /// run again.
+    fn rewind(&mut self, rewind: &Rewind) -> impl Future<Output = Result<()>> + Send;
+
+    /// One relay step, one transaction: claims at most `limit` pending
+    /// outbox rows in id order, hands them to `sink` in that order (inside
+    /// [`tokio::task::block_in_place`]: a sink may block on a file sync or a
+    /// broker acknowledgement), marks them dequeued and commits. Returns how
+    /// many were sent; 0 when nothing is pending.
+    ///
+    /// `partitions`: `None` takes every partition and skips rows another
+    /// transaction holds (`SKIP LOCKED` / `READPAST`) — the one relay of a
+    /// deployment. `Some(owned)` takes only those partitions and waits for
+    /// held rows instead of skipping them, so a relay that takes a partition
+    /// over sends after the previous owner's send finished and per-aggregate
+    /// order holds; `Some(&[])` claims nothing.
+    ///
+    /// At least once: when the sink fails, or the process dies after the
+    /// sink has the events but before the mark commits (failpoint
+    /// `relay.after_send_before_mark`), the rows stay pending and are sent
+    /// again with the same event ids. Safe to retry.
+    fn relay_once(
+        &mut self,
+        limit: i64,
+        partitions: Option<&[i32]>,
+        sink: &mut dyn Sink,
+    ) -> impl Future<Output = Result<usize>> + Send;
+}
+
+/// Whether a sidecar URL points at PostgreSQL (`postgres://`,
+/// `postgresql://`); anything else is SQL Server (an ADO.NET string,
+/// `sqlserver://…` or `jdbc:sqlserver://…`).
+pub fn is_postgres_url(url: &str) -> bool {
+    let u = url.trim_start().to_ascii_lowercase();
+    u.starts_with("postgres://") || u.starts_with("postgresql://")
+}
+
+/// What `skein replay` changes, in one transaction.
+#[derive(Clone, Debug, Default)]
+pub struct Rewind {
+    /// Progress group.
+    pub group: String,
+    /// The Kafka topic.
+    pub topic: String,
+    /// Per partition: its current offset and the offset to go back to.
+    pub partitions: Vec<(i32, i64, i64)>,
+    /// `(entity, canonical key)`s whose stored versions are forgotten
+    /// (`--republish`), so each publishes once more.
+    pub forget: Vec<(String, String)>,
+}
+
+impl Rewind {
+    /// The error that aborts a rewind when partition `p` moved meanwhile.
+    pub(crate) fn moved(p: i32) -> Error {
+        Error::Data(format!(
+            "partition {p}: progress moved while replaying (an applier committed); run again"
+        ))
+    }
+
+    /// The keys to forget, per entity (one statement per entity).
+    pub(crate) fn forget_by_entity(&self) -> BTreeMap<&str, Vec<&str>> {
+        let mut by_entity: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (e, k) in &self.forget {
+            by_entity.entry(e).or_default().push(k);
+        }
+        by_entity
+    }
+}
+
+/// The configured sidecar, whichever database it runs on.
+pub enum AnySidecar {
+    /// PostgreSQL.
+    Postgres(PgSidecar),
+    /// SQL Server (boxed: the TDS client carries its buffers).
+    SqlServer(Box<MssqlSidecar>),
+}
+
+impl AnySidecar {
+    /// Connects to `url` (see [`is_postgres_url`]).
+    pub async fn connect(url: &Secret, schema: &str) -> Result<AnySidecar> {
+        Ok(if is_postgres_url(url.expose()) {
+            AnySidecar::Postgres(PgSidecar::connect(url, schema).await?)
+        } else {
+            AnySidecar::SqlServer(Box::new(MssqlSidecar::connect(url, schema).await?))
+        })
+    }
+}
+
+/// `delegate!(self, s => s.method(..).await)`: the one place that matches
+/// on the dialect, so each [`AnySidecar`] method is a single line.
+macro_rules! delegate {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            AnySidecar::Postgres($s) => $call,
+            AnySidecar::SqlServer($s) => $call,
+        }
+    };
+}
+
+impl Sidecar for AnySidecar {
+    async fn migrate(&mut self) -> Result<()> {
+        delegate!(self, s => s.migrate().await)
+    }
+
+    async fn progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
+        delegate!(self, s => s.progress(group, topic, partition).await)
+    }
+
+    async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
+        delegate!(self, s => s.versions(entity, keys).await)
+    }
+
+    async fn commit(&mut self, batch: &BatchCommit) -> Result<i64> {
+        delegate!(self, s => s.commit(batch).await)
+    }
+
+    async fn pending(&mut self) -> Result<(i64, i64)> {
+        delegate!(self, s => s.pending().await)
+    }
+
+    async fn rewind(&mut self, rewind: &Rewind) -> Result<()> {
+        delegate!(self, s => s.rewind(rewind).await)
+    }
+
+    async fn relay_once(
+        &mut self,
+        limit: i64,
+        partitions: Option<&[i32]>,
+        sink: &mut dyn Sink,
+    ) -> Result<usize> {
+        delegate!(self, s => s.relay_once(limit, partitions, sink).await)
+    }
+}

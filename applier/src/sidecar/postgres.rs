@@ -1,0 +1,299 @@
+//! The sidecar on PostgreSQL ([`skein_sql::postgres::sidecar_ddl`]): the
+//! one-transaction batch commit with fencing, replay's rewind and the
+//! relay's claim-send-mark, each in a `tokio_postgres` transaction that rolls
+//! back when dropped on an error path. Statement text is in
+//! [`skein_sql::postgres::sidecar`].
+
+use std::collections::HashMap;
+
+use skein_common::config::Secret;
+use skein_common::failpoint::failpoint;
+use skein_sql::postgres::sidecar as sc;
+
+use super::{parse_numeric, source_position, BatchCommit, Progress, Rewind, Sidecar};
+use crate::connect_postgres;
+use crate::decide::Stored;
+use crate::error::{db, Error, Result};
+use crate::sink::{Sink, SinkEvent};
+
+/// PostgreSQL sidecar. Owns its connection.
+pub struct PgSidecar {
+    client: tokio_postgres::Client,
+    schema: String,
+}
+
+impl PgSidecar {
+    /// Connects.
+    pub async fn connect(url: &Secret, schema: &str) -> Result<PgSidecar> {
+        let client = connect_postgres(url.expose(), "sidecar").await?;
+        Ok(PgSidecar {
+            client,
+            schema: schema.to_string(),
+        })
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+}
+
+impl Sidecar for PgSidecar {
+    async fn migrate(&mut self) -> Result<()> {
+        // One transaction under an advisory lock (see `migrate_sql`).
+        self.client
+            .batch_execute(&sc::migrate_sql(&self.schema))
+            .await
+            .map_err(db("creating the sidecar schema"))
+    }
+
+    async fn progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
+        let row = self
+            .client
+            .query_opt(
+                &sc::progress_sql(&self.schema),
+                &[&group, &topic, &(partition as i32)],
+            )
+            .await
+            .map_err(db("reading progress"))?;
+        let Some(r) = row else { return Ok(None) };
+        Ok(Some(Progress {
+            position: parse_numeric(&r.get::<_, String>(0))?,
+            source: source_position(r.get(1), r.get(2))?,
+        }))
+    }
+
+    async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
+        let rows = self
+            .client
+            .query(&sc::versions_sql(&self.schema), &[&entity, &keys])
+            .await
+            .map_err(db("reading versions"))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                (
+                    r.get(0),
+                    Stored {
+                        etag: r.get(1),
+                        is_deleted: r.get(2),
+                    },
+                )
+            })
+            .collect())
+    }
+
+    /// Read top to bottom: fence, batch row, outbox, versions, commit.
+    async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
+        let s = self.schema.as_str();
+        let tx = self
+            .client
+            .transaction()
+            .await
+            .map_err(db("beginning the batch transaction"))?;
+        let partition = b.partition as i32;
+
+        let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
+        // Positions go over the wire as text: tokio-postgres has no numeric.
+        let position = b.position.to_string();
+        let expected_text = b.expected.map(|e| e.to_string());
+        let (lower, upper) = (b.lower.to_string(), b.upper.to_string());
+        let src_seq: Option<i64> = b.source.map(|p| i64::from(p.seq));
+        // 1. Fence: move progress only from where this applier started.
+        let moved = match &expected_text {
+            Some(expected) => tx
+                .execute(
+                    &sc::advance_progress_sql(s),
+                    &[
+                        &b.group,
+                        &b.topic,
+                        &partition,
+                        &position,
+                        &expected,
+                        &src_commit,
+                        &src_seq,
+                    ],
+                )
+                .await
+                .map_err(db("advancing progress"))?,
+            None => tx
+                .execute(
+                    &sc::first_progress_sql(s),
+                    &[
+                        &b.group,
+                        &b.topic,
+                        &partition,
+                        &position,
+                        &src_commit,
+                        &src_seq,
+                    ],
+                )
+                .await
+                .map_err(db("creating progress"))?,
+        };
+        if moved != 1 {
+            let found = tx
+                .query_opt(
+                    &sc::fenced_position_sql(s),
+                    &[&b.group, &b.topic, &partition],
+                )
+                .await
+                .map_err(db("reading progress after a fence"))?
+                .map(|r| parse_numeric(&r.get::<_, String>(0)))
+                .transpose()?;
+            // Dropping `tx` rolls back.
+            return Err(Error::Fenced {
+                partition: b.partition,
+                expected: b.expected,
+                found,
+            });
+        }
+
+        // 2. The batch row: its correlation id is in every event of the batch.
+        let batch_id: i64 = tx
+            .query_one(
+                &sc::batch_insert_sql(s),
+                &[
+                    &b.correlation_id,
+                    &b.group,
+                    &b.topic,
+                    &partition,
+                    &lower,
+                    &upper,
+                    &b.record_count,
+                    &b.entity_count,
+                    &(b.outbox.len() as i32),
+                    &b.has_data_loss,
+                    &b.dead_letters,
+                ],
+            )
+            .await
+            .map_err(db("inserting the batch row"))?
+            .get(0);
+
+        // 3. Outbox rows, in decision order (ids keep per-aggregate order).
+        if !b.outbox.is_empty() {
+            let ids: Vec<&str> = b.outbox.iter().map(|o| o.event_id.as_str()).collect();
+            let entities: Vec<&str> = b.outbox.iter().map(|o| o.entity.as_str()).collect();
+            let keys: Vec<&str> = b.outbox.iter().map(|o| o.key.as_str()).collect();
+            let etags: Vec<Option<&str>> = b.outbox.iter().map(|o| o.etag.as_deref()).collect();
+            let events: Vec<&str> = b.outbox.iter().map(|o| o.event.as_str()).collect();
+            let times: Vec<i64> = b.outbox.iter().map(|o| o.commit_time_micros).collect();
+            tx.execute(
+                &sc::outbox_insert_sql(s),
+                &[
+                    &batch_id, &partition, &ids, &entities, &keys, &etags, &events, &times,
+                ],
+            )
+            .await
+            .map_err(db("inserting outbox rows"))?;
+        }
+
+        // 4. Versions.
+        if !b.versions.is_empty() {
+            let entities: Vec<&str> = b.versions.iter().map(|v| v.entity.as_str()).collect();
+            let keys: Vec<&str> = b.versions.iter().map(|v| v.key.as_str()).collect();
+            let etags: Vec<Option<&str>> = b.versions.iter().map(|v| v.etag.as_deref()).collect();
+            let deleted: Vec<bool> = b.versions.iter().map(|v| v.is_deleted).collect();
+            tx.execute(
+                &sc::versions_upsert_sql(s),
+                &[&entities, &keys, &etags, &deleted],
+            )
+            .await
+            .map_err(db("upserting versions"))?;
+        }
+
+        failpoint("applier.before_commit");
+        // 5. Commit: everything above becomes visible at once, or none of it.
+        tx.commit().await.map_err(db("committing the batch"))?;
+        failpoint("applier.after_commit");
+        Ok(batch_id)
+    }
+
+    async fn pending(&mut self) -> Result<(i64, i64)> {
+        let row = self
+            .client
+            .query_one(&sc::pending_sql(&self.schema), &[])
+            .await
+            .map_err(db("counting pending outbox rows"))?;
+        Ok((row.get(0), row.get(1)))
+    }
+
+    async fn rewind(&mut self, r: &Rewind) -> Result<()> {
+        let s = self.schema.as_str();
+        let tx = self
+            .client
+            .transaction()
+            .await
+            .map_err(db("beginning the replay transaction"))?;
+        for (p, cur, to) in &r.partitions {
+            let n = tx
+                .execute(&sc::rewind_sql(s), &[&r.group, &r.topic, p, cur, to])
+                .await
+                .map_err(db("rewinding progress"))?;
+            if n != 1 {
+                // Dropping `tx` rolls back.
+                return Err(Rewind::moved(*p));
+            }
+        }
+        for (entity, keys) in &r.forget_by_entity() {
+            tx.execute(&sc::forget_versions_sql(s), &[entity, keys])
+                .await
+                .map_err(db("forgetting versions"))?;
+        }
+        tx.commit().await.map_err(db("committing the replay"))
+    }
+
+    /// `FOR UPDATE SKIP LOCKED` for all partitions, `FOR UPDATE` for owned
+    /// ones (see [`Sidecar::relay_once`]).
+    async fn relay_once(
+        &mut self,
+        limit: i64,
+        partitions: Option<&[i32]>,
+        sink: &mut dyn Sink,
+    ) -> Result<usize> {
+        if partitions.is_some_and(<[i32]>::is_empty) {
+            return Ok(0);
+        }
+        let s = self.schema.as_str();
+        let tx = self
+            .client
+            .transaction()
+            .await
+            .map_err(db("beginning the relay transaction"))?;
+        let rows = match partitions {
+            None => tx.query(&sc::relay_select_all_sql(s), &[&limit]).await,
+            Some(owned) => {
+                tx.query(&sc::relay_select_partitions_sql(s), &[&limit, &owned])
+                    .await
+            }
+        }
+        .map_err(db("reading the outbox"))?;
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        let events: Vec<SinkEvent> = rows
+            .iter()
+            .map(|r| SinkEvent {
+                entity: r.get(1),
+                event: r.get(2),
+            })
+            .collect();
+        // A sink may block (file sync, broker acknowledgement).
+        tokio::task::block_in_place(|| sink.send(&events))?;
+        failpoint("relay.after_send_before_mark");
+        tx.execute(&sc::relay_mark_sql(s), &[&ids])
+            .await
+            .map_err(db("marking outbox rows dequeued"))?;
+        tx.commit()
+            .await
+            .map_err(db("committing the relay transaction"))?;
+        Ok(ids.len())
+    }
+}

@@ -1,0 +1,173 @@
+//! The sidecar's statements on PostgreSQL, in the order the batch
+//! transaction runs them, then the relay's and `skein replay`'s; `schema` is
+//! quoted here. Parameters are `$1…` as each function says. Positions travel
+//! as text (`$n::text::numeric`): tokio-postgres has no `numeric` type.
+//!
+//! The SQL Server twins are in [`crate::sqlserver::sidecar`]; both are pinned
+//! by golden files (`tests/golden/sql/*_sidecar_statements.sql`).
+
+use super::sidecar_ddl;
+use crate::quote_ident as qi;
+
+/// `sidecar migrate`: the DDL in one transaction under an advisory lock, so
+/// appliers starting together do not race on `CREATE SCHEMA IF NOT EXISTS`;
+/// `IF NOT EXISTS` notices are silenced (noise on every start).
+pub fn migrate_sql(schema: &str) -> String {
+    format!(
+        "BEGIN;\nSET LOCAL client_min_messages TO warning;\n\
+         SELECT pg_advisory_xact_lock(hashtext('skein.sidecar.migrate'));\n{}\nCOMMIT;",
+        sidecar_ddl(schema)
+    )
+}
+
+/// A partition's progress: `$1` group, `$2` topic, `$3` partition.
+/// Columns: position (text), source_commit, source_seq.
+pub fn progress_sql(schema: &str) -> String {
+    format!(
+        "SELECT position::text, source_commit, source_seq FROM {}.\"progress\" \
+         WHERE group_name = $1 AND topic = $2 AND partition = $3",
+        qi(schema)
+    )
+}
+
+/// Stored versions of entity `$1` for the keys in the array `$2`.
+/// Columns: key, etag, is_deleted.
+pub fn versions_sql(schema: &str) -> String {
+    format!(
+        "SELECT key, etag, is_deleted FROM {}.\"version\" WHERE entity = $1 AND key = ANY($2)",
+        qi(schema)
+    )
+}
+
+/// Fence: moves progress from `$5` to `$4` (decimal texts), with the last
+/// source change `$6`/`$7`; affects 0 rows when progress moved.
+pub fn advance_progress_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.\"progress\" SET position = $4::text::numeric, source_commit = $6, \
+         source_seq = $7, updated_at = now() \
+         WHERE group_name = $1 AND topic = $2 AND partition = $3 \
+         AND position = $5::text::numeric",
+        qi(schema)
+    )
+}
+
+/// A partition's first progress (`$4` position, `$5`/`$6` source); the
+/// primary key makes a second first commit affect 0 rows.
+pub fn first_progress_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"progress\" (group_name, topic, partition, position, source_commit, source_seq) \
+         VALUES ($1, $2, $3, $4::text::numeric, $5, $6) ON CONFLICT DO NOTHING",
+        qi(schema)
+    )
+}
+
+/// The position a fenced commit found (`$1` group, `$2` topic, `$3`
+/// partition), read inside the failed transaction for the error message.
+pub fn fenced_position_sql(schema: &str) -> String {
+    format!(
+        "SELECT position::text FROM {}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3",
+        qi(schema)
+    )
+}
+
+/// The batch row, returning its id. `$1` correlation id, `$2` group, `$3`
+/// topic, `$4` partition, `$5`/`$6` bounds (decimal texts), `$7` records,
+/// `$8` entities, `$9` events, `$10` data loss, `$11` dead letters.
+pub fn batch_insert_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"batch\" (correlation_id, group_name, topic, partition, lower_position, \
+         upper_position, record_count, entity_count, event_count, has_data_loss, dead_letters) \
+         VALUES ($1::text::uuid, $2, $3, $4, $5::text::numeric, $6::text::numeric, $7, $8, $9, $10, $11) \
+         RETURNING id",
+        qi(schema)
+    )
+}
+
+/// Outbox rows from parallel arrays: `$1` batch id, `$2` partition, then
+/// event ids, entities, keys, etags, events (text arrays) and commit times
+/// (µs since the Unix epoch, `int8[]`). Ids follow the arrays' order
+/// (`WITH ORDINALITY … ORDER BY`), so they keep per-aggregate order.
+pub fn outbox_insert_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"outbox\" (event_id, batch_id, entity, key, partition, etag, event, commit_time) \
+         SELECT u.id::uuid, $1, u.entity, u.key, $2, u.etag, u.event, \
+                'epoch'::timestamptz + u.t * interval '1 microsecond' \
+         FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) \
+              WITH ORDINALITY AS u(id, entity, key, etag, event, t, ord) \
+         ORDER BY u.ord",
+        qi(schema)
+    )
+}
+
+/// Upserts versions from parallel arrays: entities, keys, etags (text
+/// arrays), is_deleted (`bool[]`).
+pub fn versions_upsert_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"version\" (entity, key, etag, is_deleted) \
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) \
+         ON CONFLICT (entity, key) DO UPDATE SET etag = EXCLUDED.etag, \
+           is_deleted = EXCLUDED.is_deleted, updated_at = now()",
+        qi(schema)
+    )
+}
+
+/// Pending outbox rows and the age of the oldest (ms), both `int8`.
+pub fn pending_sql(schema: &str) -> String {
+    format!(
+        "SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 \
+         FROM {}.\"outbox\" WHERE dequeued_at IS NULL",
+        qi(schema)
+    )
+}
+
+/// At most `$1` pending rows for the one relay of every partition, in id
+/// order, skipping rows another transaction holds (`FOR UPDATE SKIP LOCKED`).
+/// Columns: id, entity, event.
+pub fn relay_select_all_sql(schema: &str) -> String {
+    format!(
+        "SELECT id, entity, event FROM {}.\"outbox\" WHERE dequeued_at IS NULL \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        qi(schema)
+    )
+}
+
+/// At most `$1` pending rows of the partitions in the array `$2` (a relay
+/// inside `skein apply`), in id order. `FOR UPDATE` without `SKIP LOCKED`:
+/// it waits for rows a previous owner still holds, keeping per-aggregate
+/// order across a partition hand-over. Columns: id, entity, event.
+pub fn relay_select_partitions_sql(schema: &str) -> String {
+    format!(
+        "SELECT id, entity, event FROM {}.\"outbox\" WHERE dequeued_at IS NULL \
+         AND partition = ANY($2) ORDER BY id LIMIT $1 FOR UPDATE",
+        qi(schema)
+    )
+}
+
+/// Marks the relayed rows (ids in the array `$1`) dequeued.
+pub fn relay_mark_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.\"outbox\" SET dequeued_at = clock_timestamp() WHERE id = ANY($1)",
+        qi(schema)
+    )
+}
+
+/// `skein replay`: moves a partition's progress (`$1` group, `$2` topic,
+/// `$3` partition) from offset `$4` back to `$5`, forgetting the last source
+/// change; affects 0 rows when progress moved meanwhile.
+pub fn rewind_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.\"progress\" SET position = $5::int8, source_commit = NULL, \
+         source_seq = NULL, updated_at = now() \
+         WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8",
+        qi(schema)
+    )
+}
+
+/// `skein replay --republish`: forgets the stored versions of entity `$1`
+/// for the keys in the array `$2`, so they publish again.
+pub fn forget_versions_sql(schema: &str) -> String {
+    format!(
+        "DELETE FROM {}.\"version\" WHERE entity = $1 AND key = ANY($2)",
+        qi(schema)
+    )
+}

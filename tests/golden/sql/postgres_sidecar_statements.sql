@@ -1,0 +1,48 @@
+-- migrate
+BEGIN;
+SET LOCAL client_min_messages TO warning;
+SELECT pg_advisory_xact_lock(hashtext('skein.sidecar.migrate'));
+-- (the DDL of postgres_sidecar.sql)
+COMMIT;;
+
+-- progress of a partition
+SELECT position::text, source_commit, source_seq FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
+
+-- batch transaction 1a: fence
+UPDATE "skein"."progress" SET position = $4::text::numeric, source_commit = $6, source_seq = $7, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5::text::numeric;
+
+-- batch transaction 1b: first progress
+INSERT INTO "skein"."progress" (group_name, topic, partition, position, source_commit, source_seq) VALUES ($1, $2, $3, $4::text::numeric, $5, $6) ON CONFLICT DO NOTHING;
+
+-- batch transaction, fenced: the position found
+SELECT position::text FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
+
+-- batch transaction 2: batch row
+INSERT INTO "skein"."batch" (correlation_id, group_name, topic, partition, lower_position, upper_position, record_count, entity_count, event_count, has_data_loss, dead_letters) VALUES ($1::text::uuid, $2, $3, $4, $5::text::numeric, $6::text::numeric, $7, $8, $9, $10, $11) RETURNING id;
+
+-- batch transaction 3: outbox rows
+INSERT INTO "skein"."outbox" (event_id, batch_id, entity, key, partition, etag, event, commit_time) SELECT u.id::uuid, $1, u.entity, u.key, $2, u.etag, u.event, 'epoch'::timestamptz + u.t * interval '1 microsecond' FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) WITH ORDINALITY AS u(id, entity, key, etag, event, t, ord) ORDER BY u.ord;
+
+-- batch transaction 4: versions
+INSERT INTO "skein"."version" (entity, key, etag, is_deleted) SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) ON CONFLICT (entity, key) DO UPDATE SET etag = EXCLUDED.etag, is_deleted = EXCLUDED.is_deleted, updated_at = now();
+
+-- versions of some keys
+SELECT key, etag, is_deleted FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);
+
+-- pending outbox
+SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 FROM "skein"."outbox" WHERE dequeued_at IS NULL;
+
+-- relay, all partitions
+SELECT id, entity, event FROM "skein"."outbox" WHERE dequeued_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED;
+
+-- relay, owned partitions
+SELECT id, entity, event FROM "skein"."outbox" WHERE dequeued_at IS NULL AND partition = ANY($2) ORDER BY id LIMIT $1 FOR UPDATE;
+
+-- relay: mark dequeued
+UPDATE "skein"."outbox" SET dequeued_at = clock_timestamp() WHERE id = ANY($1);
+
+-- replay: rewind a partition
+UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_seq = NULL, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8;
+
+-- replay --republish: forget versions
+DELETE FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);
