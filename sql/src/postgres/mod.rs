@@ -1,9 +1,9 @@
 //! PostgreSQL dialect: CDC enablement, sidecar DDL, catalog, resolution and
-//! hydration queries. The sidecar's statements are in [`sidecar`].
-
-pub mod sidecar;
+//! hydration queries. The sidecar's statements are in [`sidecar`]; the
+//! catalog reads of validate and status in [`admin`].
 
 pub mod admin;
+pub mod sidecar;
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
