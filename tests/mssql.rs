@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use common::{admin_url, assert_exactly_once_in, assert_golden, connect, recreate_db, root, BIN};
 use serde_json::Value;
-use skein_common::mssql::MssqlClient;
 use skein_common::sqlvalue::SqlValue;
+use skein_sql::sqlserver::MssqlClient;
 
 const SENTINEL: &str = "customer.999";
 

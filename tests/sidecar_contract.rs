@@ -339,7 +339,7 @@ async fn postgres_sidecar_stores_sql_server_positions() {
 async fn sqlserver_sidecar_keeps_the_contract() {
     let base = std::env::var("SKEIN_TEST_MSSQL_URL")
         .expect("SKEIN_TEST_MSSQL_URL is not set: this test needs a SQL Server");
-    let mut master = skein_common::mssql::MssqlClient::connect(&base)
+    let mut master = skein_sql::sqlserver::MssqlClient::connect(&base)
         .await
         .unwrap();
     master

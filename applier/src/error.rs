@@ -29,7 +29,7 @@ pub enum Error {
     Data(String),
     /// A SQL Server query failed.
     #[error(transparent)]
-    SqlServer(#[from] skein_common::mssql::MssqlError),
+    SqlServer(#[from] skein_sql::sqlserver::MssqlError),
     /// The transport failed to deliver or to acknowledge.
     #[error(transparent)]
     Transport(#[from] skein_transporter::Error),

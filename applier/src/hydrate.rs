@@ -12,10 +12,10 @@ use std::collections::HashMap;
 use crate::connect_postgres;
 use serde_json::{Map, Value};
 use skein_common::config::{Cardinality, Config, EntityConfig, SourceKind, TableNode};
-use skein_common::mssql::MssqlClient;
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{Dialect, RootKey};
 use skein_sql::postgres::{hydrate_sql, referenced_columns};
+use skein_sql::sqlserver::MssqlClient;
 use skein_sql::{sqlserver, Catalog};
 
 use crate::decide::{Current, DeletePayload};

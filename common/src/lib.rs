@@ -18,7 +18,6 @@ pub mod config;
 pub mod error;
 pub mod failpoint;
 pub mod json;
-pub mod mssql;
 pub mod position;
 pub mod record;
 pub mod sqlvalue;

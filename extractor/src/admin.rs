@@ -225,7 +225,7 @@ pub async fn enable_cdc(cfg: &Config, apply: bool) -> Result<CdcSetup> {
         }
         SourceKind::Sqlserver => {
             let mut client =
-                skein_common::mssql::MssqlClient::connect(cfg.source.url.expose()).await?;
+                skein_sql::sqlserver::MssqlClient::connect(cfg.source.url.expose()).await?;
             let catalog = sqlserver::load_catalog(&mut client, cfg).await?;
             refuse_catalog_problems(cfg, &catalog)?;
             let ddl = skein_sql::sqlserver::source_ddl(cfg, &catalog);

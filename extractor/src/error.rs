@@ -44,7 +44,7 @@ pub enum Error {
     NotReady { message: String, fix: String },
     /// A SQL Server query failed.
     #[error(transparent)]
-    SqlServer(#[from] skein_common::mssql::MssqlError),
+    SqlServer(#[from] skein_sql::sqlserver::MssqlError),
     /// The transport could not deliver a batch.
     #[error(transparent)]
     Transport(#[from] skein_transporter::Error),

@@ -222,7 +222,7 @@ pub async fn load_catalog(cfg: &Config) -> Result<Catalog> {
         }
         SourceKind::Sqlserver => {
             let mut client =
-                skein_common::mssql::MssqlClient::connect(cfg.source.url.expose()).await?;
+                skein_sql::sqlserver::MssqlClient::connect(cfg.source.url.expose()).await?;
             sqlserver::load_catalog(&mut client, cfg).await
         }
     }

@@ -19,10 +19,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use skein_common::config::Config;
-use skein_common::mssql::MssqlClient;
 use skein_common::position::SqlServerLsn;
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{ChangeRecord, Op, RootKey, SourcePosition};
+use skein_sql::sqlserver::MssqlClient;
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
 use tracing::warn;
 

@@ -5,16 +5,17 @@
 //!
 //! The connection runs with `SET XACT_ABORT ON`, so any failed statement
 //! dooms the open transaction; every transaction here (commit, rewind, relay
-//! step) rolls back explicitly on every error path, and a dropped connection
-//! is rolled back by the server.
+//! step) is a [`Transaction`](skein_sql::sqlserver::Transaction) guard that
+//! rolls back when an error drops it, and a dropped connection is rolled
+//! back by the server.
 
 use std::collections::HashMap;
 
 use skein_common::config::Secret;
 use skein_common::failpoint::failpoint;
-use skein_common::mssql::MssqlClient;
 use skein_common::sqlvalue::SqlValue;
 use skein_sql::sqlserver::sidecar as sc;
+use skein_sql::sqlserver::MssqlClient;
 
 use super::{
     parse_numeric, source_position, BatchCommit, OutboxRow, Progress, Rewind, Sidecar, VersionRow,
@@ -53,161 +54,183 @@ impl MssqlSidecar {
     pub fn schema(&self) -> &str {
         &self.schema
     }
+}
 
-    async fn commit_in_tx(&mut self, b: &BatchCommit) -> Result<i64> {
-        let partition = b.partition as i32;
-        let position = b.position.to_string();
-        let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
-        let src_seq: Option<i64> = b.source.map(|p| i64::from(p.seq));
+/// The stored progress of a partition.
+async fn read_progress(
+    c: &mut MssqlClient,
+    schema: &str,
+    group: &str,
+    topic: &str,
+    partition: u32,
+) -> Result<Option<Progress>> {
+    let rows = c
+        .query(
+            "reading progress",
+            &sc::progress_sql(schema),
+            &[&group, &topic, &(partition as i32)],
+        )
+        .await?;
+    let Some(r) = rows.first() else {
+        return Ok(None);
+    };
+    let position = parse_numeric(&text(r.first()).unwrap_or_default())?;
+    let seq = match r.get(2) {
+        Some(SqlValue::Int(s)) => Some(*s),
+        _ => None,
+    };
+    Ok(Some(Progress {
+        position,
+        source: source_position(text(r.get(1)), seq)?,
+    }))
+}
 
-        // 1. Fence: move progress only from where this applier started.
-        let moved = match b.expected {
-            Some(expected) => {
-                let expected = expected.to_string();
-                self.client
-                    .execute(
-                        "advancing progress",
-                        &sc::advance_progress_sql(&self.schema),
-                        &[
-                            &b.group.as_str(),
-                            &b.topic.as_str(),
-                            &partition,
-                            &position.as_str(),
-                            &expected.as_str(),
-                            &src_commit,
-                            &src_seq,
-                        ],
-                    )
-                    .await?
-            }
-            None => {
-                // The range lock (UPDLOCK, HOLDLOCK) keeps two first
-                // commits from both inserting.
-                self.client
-                    .execute(
-                        "creating progress",
-                        &sc::first_progress_sql(&self.schema),
-                        &[
-                            &b.group.as_str(),
-                            &b.topic.as_str(),
-                            &partition,
-                            &position.as_str(),
-                            &src_commit,
-                            &src_seq,
-                        ],
-                    )
-                    .await?
-            }
-        };
-        if moved != 1 {
-            let found = self
-                .progress(&b.group, &b.topic, b.partition)
-                .await?
-                .map(|p| p.position);
-            return Err(Error::Fenced {
-                partition: b.partition,
-                expected: b.expected,
-                found,
-            });
-        }
+/// Fence, batch row, outbox, versions: the body of the batch transaction
+/// on `c` (the caller begins and commits it).
+async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Result<i64> {
+    let partition = b.partition as i32;
+    let position = b.position.to_string();
+    let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
+    let src_seq: Option<i64> = b.source.map(|p| i64::from(p.seq));
 
-        // 2. The batch row: its correlation id is in every event of the batch.
-        let rows = self
-            .client
-            .query(
-                "inserting the batch row",
-                &sc::batch_insert_sql(&self.schema),
+    // 1. Fence: move progress only from where this applier started.
+    let moved = match b.expected {
+        Some(expected) => {
+            let expected = expected.to_string();
+            c.execute(
+                "advancing progress",
+                &sc::advance_progress_sql(schema),
                 &[
-                    &b.correlation_id.as_str(),
                     &b.group.as_str(),
                     &b.topic.as_str(),
                     &partition,
-                    &b.lower.to_string().as_str(),
-                    &b.upper.to_string().as_str(),
-                    &b.record_count,
-                    &b.entity_count,
-                    &(b.outbox.len() as i32),
-                    &b.has_data_loss,
-                    &b.dead_letters,
+                    &position.as_str(),
+                    &expected.as_str(),
+                    &src_commit,
+                    &src_seq,
                 ],
             )
-            .await?;
-        let batch_id = match rows.first().and_then(|r| r.first()) {
-            Some(SqlValue::Int(id)) => *id,
-            other => return Err(Error::Data(format!("batch id: {other:?}"))),
-        };
-
-        // 3. Outbox rows. Identity values follow the ORDER BY of an
-        // INSERT … SELECT (not the order of a VALUES list), so ids keep
-        // per-aggregate order.
-        let per = (MAX_PARAMS - 2) / sc::OUTBOX_PARAMS;
-        for (ci, chunk) in b.outbox.chunks(per).enumerate() {
-            self.insert_outbox(batch_id, partition, ci * per, chunk)
-                .await?;
+            .await?
         }
-
-        // 4. Versions.
-        for chunk in b.versions.chunks(MAX_PARAMS / sc::VERSION_PARAMS) {
-            self.upsert_versions(chunk).await?;
-        }
-
-        failpoint("applier.before_commit");
-        // 5. Commit: everything above becomes visible at once, or none of it.
-        self.client.commit("committing the batch").await?;
-        Ok(batch_id)
-    }
-
-    async fn insert_outbox(
-        &mut self,
-        batch_id: i64,
-        partition: i32,
-        first_ord: usize,
-        rows: &[OutboxRow],
-    ) -> Result<()> {
-        let ords: Vec<i32> = (0..rows.len())
-            .map(|i| i32::try_from(first_ord + i).unwrap_or(i32::MAX))
-            .collect();
-        let mut params: Vec<&dyn tiberius::ToSql> =
-            Vec::with_capacity(2 + rows.len() * sc::OUTBOX_PARAMS);
-        params.push(&batch_id);
-        params.push(&partition);
-        for (o, ord) in rows.iter().zip(&ords) {
-            params.push(ord);
-            params.push(&o.event_id);
-            params.push(&o.entity);
-            params.push(&o.key);
-            params.push(&o.etag);
-            params.push(&o.event);
-            params.push(&o.commit_time_micros);
-        }
-        self.client
-            .execute(
-                "inserting outbox rows",
-                &sc::outbox_insert_sql(&self.schema, rows.len()),
-                &params,
+        None => {
+            // The range lock (UPDLOCK, HOLDLOCK) keeps two first
+            // commits from both inserting.
+            c.execute(
+                "creating progress",
+                &sc::first_progress_sql(schema),
+                &[
+                    &b.group.as_str(),
+                    &b.topic.as_str(),
+                    &partition,
+                    &position.as_str(),
+                    &src_commit,
+                    &src_seq,
+                ],
             )
-            .await?;
-        Ok(())
+            .await?
+        }
+    };
+    if moved != 1 {
+        let found = read_progress(c, schema, &b.group, &b.topic, b.partition)
+            .await?
+            .map(|p| p.position);
+        return Err(Error::Fenced {
+            partition: b.partition,
+            expected: b.expected,
+            found,
+        });
     }
 
-    async fn upsert_versions(&mut self, rows: &[VersionRow]) -> Result<()> {
-        let mut params: Vec<&dyn tiberius::ToSql> =
-            Vec::with_capacity(rows.len() * sc::VERSION_PARAMS);
-        for v in rows {
-            params.push(&v.entity);
-            params.push(&v.key);
-            params.push(&v.etag);
-            params.push(&v.is_deleted);
-        }
-        self.client
-            .execute(
-                "upserting versions",
-                &sc::versions_merge_sql(&self.schema, rows.len()),
-                &params,
-            )
-            .await?;
-        Ok(())
+    // 2. The batch row: its correlation id is in every event of the batch.
+    let rows = c
+        .query(
+            "inserting the batch row",
+            &sc::batch_insert_sql(schema),
+            &[
+                &b.correlation_id.as_str(),
+                &b.group.as_str(),
+                &b.topic.as_str(),
+                &partition,
+                &b.lower.to_string().as_str(),
+                &b.upper.to_string().as_str(),
+                &b.record_count,
+                &b.entity_count,
+                &(b.outbox.len() as i32),
+                &b.has_data_loss,
+                &b.dead_letters,
+            ],
+        )
+        .await?;
+    let batch_id = match rows.first().and_then(|r| r.first()) {
+        Some(SqlValue::Int(id)) => *id,
+        other => return Err(Error::Data(format!("batch id: {other:?}"))),
+    };
+
+    // 3. Outbox rows. Identity values follow the ORDER BY of an
+    // INSERT … SELECT (not the order of a VALUES list), so ids keep
+    // per-aggregate order.
+    let per = (MAX_PARAMS - 2) / sc::OUTBOX_PARAMS;
+    for (ci, chunk) in b.outbox.chunks(per).enumerate() {
+        insert_outbox(c, schema, batch_id, partition, ci * per, chunk).await?;
     }
+
+    // 4. Versions.
+    for chunk in b.versions.chunks(MAX_PARAMS / sc::VERSION_PARAMS) {
+        upsert_versions(c, schema, chunk).await?;
+    }
+
+    failpoint("applier.before_commit");
+    Ok(batch_id)
+}
+
+async fn insert_outbox(
+    c: &mut MssqlClient,
+    schema: &str,
+    batch_id: i64,
+    partition: i32,
+    first_ord: usize,
+    rows: &[OutboxRow],
+) -> Result<()> {
+    let ords: Vec<i32> = (0..rows.len())
+        .map(|i| i32::try_from(first_ord + i).unwrap_or(i32::MAX))
+        .collect();
+    let mut params: Vec<&dyn tiberius::ToSql> =
+        Vec::with_capacity(2 + rows.len() * sc::OUTBOX_PARAMS);
+    params.push(&batch_id);
+    params.push(&partition);
+    for (o, ord) in rows.iter().zip(&ords) {
+        params.push(ord);
+        params.push(&o.event_id);
+        params.push(&o.entity);
+        params.push(&o.key);
+        params.push(&o.etag);
+        params.push(&o.event);
+        params.push(&o.commit_time_micros);
+    }
+    c.execute(
+        "inserting outbox rows",
+        &sc::outbox_insert_sql(schema, rows.len()),
+        &params,
+    )
+    .await?;
+    Ok(())
+}
+
+async fn upsert_versions(c: &mut MssqlClient, schema: &str, rows: &[VersionRow]) -> Result<()> {
+    let mut params: Vec<&dyn tiberius::ToSql> = Vec::with_capacity(rows.len() * sc::VERSION_PARAMS);
+    for v in rows {
+        params.push(&v.entity);
+        params.push(&v.key);
+        params.push(&v.etag);
+        params.push(&v.is_deleted);
+    }
+    c.execute(
+        "upserting versions",
+        &sc::versions_merge_sql(schema, rows.len()),
+        &params,
+    )
+    .await?;
+    Ok(())
 }
 
 impl Sidecar for MssqlSidecar {
@@ -228,26 +251,7 @@ impl Sidecar for MssqlSidecar {
         topic: &str,
         partition: u32,
     ) -> Result<Option<Progress>> {
-        let rows = self
-            .client
-            .query(
-                "reading progress",
-                &sc::progress_sql(&self.schema),
-                &[&group, &topic, &(partition as i32)],
-            )
-            .await?;
-        let Some(r) = rows.first() else {
-            return Ok(None);
-        };
-        let position = parse_numeric(&text(r.first()).unwrap_or_default())?;
-        let seq = match r.get(2) {
-            Some(SqlValue::Int(s)) => Some(*s),
-            _ => None,
-        };
-        Ok(Some(Progress {
-            position,
-            source: source_position(text(r.get(1)), seq)?,
-        }))
+        read_progress(&mut self.client, &self.schema, group, topic, partition).await
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
@@ -278,20 +282,19 @@ impl Sidecar for MssqlSidecar {
         Ok(out)
     }
 
-    /// Read top to bottom: `BEGIN TRAN`, then `commit_in_tx`
-    /// (fence, batch row, outbox, versions, `COMMIT`), rolled back on any error.
+    /// Read top to bottom: `BEGIN TRAN`, then [`commit_in_tx`] (fence, batch
+    /// row, outbox, versions), `COMMIT`; an error drops the transaction
+    /// guard, which rolls it back.
     async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
-        self.client.begin("beginning the batch transaction").await?;
-        match self.commit_in_tx(b).await {
-            Ok(id) => {
-                failpoint("applier.after_commit");
-                Ok(id)
-            }
-            Err(e) => {
-                self.client.rollback_quietly().await;
-                Err(e)
-            }
-        }
+        let mut tx = self
+            .client
+            .transaction("beginning the batch transaction")
+            .await?;
+        let id = commit_in_tx(&mut tx, &self.schema, b).await?;
+        // Commit: everything above becomes visible at once, or none of it.
+        tx.commit("committing the batch").await?;
+        failpoint("applier.after_commit");
+        Ok(id)
     }
 
     async fn pending(&mut self) -> Result<(i64, i64)> {
@@ -313,46 +316,37 @@ impl Sidecar for MssqlSidecar {
     async fn rewind(&mut self, r: &Rewind) -> Result<()> {
         let by_entity = r.forget_by_entity();
         let schema = self.schema.as_str();
-        let client = &mut self.client;
-        client.begin("beginning the replay transaction").await?;
-        let result: Result<()> = async {
-            for (p, cur, to) in &r.partitions {
-                let n = client
-                    .execute(
-                        "rewinding progress",
-                        &sc::rewind_sql(schema),
-                        &[&r.group.as_str(), &r.topic.as_str(), p, cur, to],
-                    )
-                    .await?;
-                if n != 1 {
-                    return Err(Rewind::moved(*p));
-                }
-            }
-            for (entity, keys) in &by_entity {
-                for chunk in keys.chunks(1_000) {
-                    let mut params: Vec<&dyn tiberius::ToSql> = vec![entity];
-                    for k in chunk {
-                        params.push(k);
-                    }
-                    client
-                        .execute(
-                            "forgetting versions",
-                            &sc::forget_versions_sql(schema, chunk.len()),
-                            &params,
-                        )
-                        .await?;
-                }
-            }
-            Ok(())
-        }
-        .await;
-        match result {
-            Ok(()) => Ok(client.commit("committing the replay").await?),
-            Err(e) => {
-                client.rollback_quietly().await;
-                Err(e)
+        let mut tx = self
+            .client
+            .transaction("beginning the replay transaction")
+            .await?;
+        for (p, cur, to) in &r.partitions {
+            let n = tx
+                .execute(
+                    "rewinding progress",
+                    &sc::rewind_sql(schema),
+                    &[&r.group.as_str(), &r.topic.as_str(), p, cur, to],
+                )
+                .await?;
+            if n != 1 {
+                return Err(Rewind::moved(*p));
             }
         }
+        for (entity, keys) in &by_entity {
+            for chunk in keys.chunks(1_000) {
+                let mut params: Vec<&dyn tiberius::ToSql> = vec![entity];
+                for k in chunk {
+                    params.push(k);
+                }
+                tx.execute(
+                    "forgetting versions",
+                    &sc::forget_versions_sql(schema, chunk.len()),
+                    &params,
+                )
+                .await?;
+            }
+        }
+        Ok(tx.commit("committing the replay").await?)
     }
 
     /// `UPDLOCK, READPAST` is PostgreSQL's `FOR UPDATE SKIP LOCKED`; a
@@ -369,54 +363,42 @@ impl Sidecar for MssqlSidecar {
         }
         let schema = self.schema.as_str();
         let select = sc::relay_select_sql(schema, partitions);
-        let client = &mut self.client;
-        client.begin("beginning the relay transaction").await?;
-        let result = async {
-            let rows = client
-                .query("reading the outbox", &select, &[&limit])
-                .await?;
-            if rows.is_empty() {
-                return Ok(vec![]);
-            }
-            let mut ids = Vec::with_capacity(rows.len());
-            let mut events = Vec::with_capacity(rows.len());
-            for r in rows {
-                let (
-                    Some(SqlValue::Int(id)),
-                    Some(SqlValue::Text(entity)),
-                    Some(SqlValue::Text(event)),
-                ) = (r.first(), r.get(1), r.get(2))
-                else {
-                    return Err(Error::Data(format!("unexpected outbox row {r:?}")));
-                };
-                ids.push(*id);
-                events.push(SinkEvent {
-                    entity: entity.clone(),
-                    event: event.clone(),
-                });
-            }
-            // A sink may block (file sync, broker acknowledgement).
-            tokio::task::block_in_place(|| sink.send(&events))?;
-            failpoint("relay.after_send_before_mark");
-            client
-                .execute(
-                    "marking outbox rows dequeued",
-                    &sc::relay_mark_sql(schema, &ids),
-                    &[],
-                )
-                .await?;
-            Ok(ids)
+        let mut tx = self
+            .client
+            .transaction("beginning the relay transaction")
+            .await?;
+        let rows = tx.query("reading the outbox", &select, &[&limit]).await?;
+        if rows.is_empty() {
+            tx.rollback().await;
+            return Ok(0);
         }
-        .await;
-        match result {
-            Ok(ids) => {
-                client.commit("committing the relay transaction").await?;
-                Ok(ids.len())
-            }
-            Err(e) => {
-                client.rollback_quietly().await;
-                Err(e)
-            }
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut events = Vec::with_capacity(rows.len());
+        for r in rows {
+            let (
+                Some(SqlValue::Int(id)),
+                Some(SqlValue::Text(entity)),
+                Some(SqlValue::Text(event)),
+            ) = (r.first(), r.get(1), r.get(2))
+            else {
+                return Err(Error::Data(format!("unexpected outbox row {r:?}")));
+            };
+            ids.push(*id);
+            events.push(SinkEvent {
+                entity: entity.clone(),
+                event: event.clone(),
+            });
         }
+        // A sink may block (file sync, broker acknowledgement).
+        tokio::task::block_in_place(|| sink.send(&events))?;
+        failpoint("relay.after_send_before_mark");
+        tx.execute(
+            "marking outbox rows dequeued",
+            &sc::relay_mark_sql(schema, &ids),
+            &[],
+        )
+        .await?;
+        tx.commit("committing the relay transaction").await?;
+        Ok(ids.len())
     }
 }

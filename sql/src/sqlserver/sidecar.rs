@@ -1,0 +1,197 @@
+//! The sidecar's statements on SQL Server, in the order the batch
+//! transaction runs them; `schema` is quoted here. Parameters are `@P1…`
+//! as each function says.
+
+use super::{qi, sidecar_ddl};
+
+/// `sidecar migrate`: the DDL under an exclusive application lock, so
+/// appliers starting together do not race on `IF … CREATE TABLE`.
+pub fn migrate_sql(schema: &str) -> String {
+    format!(
+        "BEGIN TRAN;\nEXEC sp_getapplock @Resource = N'skein.sidecar.migrate', \
+         @LockMode = 'Exclusive', @LockOwner = 'Transaction', @LockTimeout = 60000;\n{}\nCOMMIT TRAN;",
+        sidecar_ddl(schema)
+    )
+}
+
+/// A partition's progress: `@P1` group, `@P2` topic, `@P3` partition.
+/// Columns: position (text), source_commit, source_seq.
+pub fn progress_sql(schema: &str) -> String {
+    format!(
+        "SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq] \
+         FROM {}.[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
+        qi(schema)
+    )
+}
+
+/// Fence: moves progress from `@P5` to `@P4` (decimal texts), with the
+/// last source change `@P6`/`@P7`; affects 0 rows when progress moved.
+pub fn advance_progress_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.[progress] SET [position] = CAST(@P4 AS decimal(25,0)), \
+         [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() \
+         WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 \
+         AND [position] = CAST(@P5 AS decimal(25,0))",
+        qi(schema)
+    )
+}
+
+/// A partition's first progress (`@P4` position, `@P5`/`@P6` source);
+/// the range lock (UPDLOCK, HOLDLOCK) keeps two first commits from both
+/// inserting: the second affects 0 rows.
+pub fn first_progress_sql(schema: &str) -> String {
+    let q = qi(schema);
+    format!(
+        "INSERT INTO {q}.[progress] ([group_name], [topic], [partition], [position], \
+         [source_commit], [source_seq]) \
+         SELECT @P1, @P2, @P3, CAST(@P4 AS decimal(25,0)), @P5, @P6 \
+         WHERE NOT EXISTS (SELECT 1 FROM {q}.[progress] WITH (UPDLOCK, HOLDLOCK) \
+         WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3)"
+    )
+}
+
+/// The batch row, returning its id. `@P1` correlation id, `@P2` group,
+/// `@P3` topic, `@P4` partition, `@P5`/`@P6` bounds (decimal texts),
+/// `@P7` records, `@P8` entities, `@P9` events, `@P10` data loss,
+/// `@P11` dead letters.
+pub fn batch_insert_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.[batch] ([correlation_id], [group_name], [topic], [partition], \
+         [lower_position], [upper_position], [record_count], [entity_count], [event_count], \
+         [has_data_loss], [dead_letters]) OUTPUT INSERTED.[id] \
+         VALUES (CAST(@P1 AS uniqueidentifier), @P2, @P3, @P4, CAST(@P5 AS decimal(25,0)), \
+         CAST(@P6 AS decimal(25,0)), @P7, @P8, @P9, @P10, @P11)",
+        qi(schema)
+    )
+}
+
+/// Parameters per outbox row in [`outbox_insert_sql`].
+pub const OUTBOX_PARAMS: usize = 7;
+
+/// `rows` outbox rows: `@P1` batch id, `@P2` partition, then per row
+/// ordinal, event id, entity, key, etag, event, commit time (µs since
+/// the Unix epoch). Identity values follow the `ORDER BY` of an
+/// `INSERT … SELECT` (not a `VALUES` list's order), so ids keep
+/// per-aggregate order.
+pub fn outbox_insert_sql(schema: &str, rows: usize) -> String {
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let ps: Vec<String> = (0..OUTBOX_PARAMS)
+                .map(|c| format!("@P{}", 3 + r * OUTBOX_PARAMS + c))
+                .collect();
+            format!("({})", ps.join(", "))
+        })
+        .collect();
+    format!(
+        "INSERT INTO {}.[outbox] ([event_id], [batch_id], [entity], [key], [partition], [etag], \
+         [event], [commit_time]) \
+         SELECT CAST(v.id AS uniqueidentifier), @P1, v.entity, v.[key], @P2, v.etag, v.event, \
+         DATEADD(microsecond, CAST(v.t % 1000000 AS int), \
+         DATEADD(second, CAST((v.t / 1000000) % 86400 AS int), \
+         DATEADD(day, CAST(v.t / 86400000000 AS int), CAST('1970-01-01' AS datetime2(6))))) \
+         FROM (VALUES {}) AS v(ord, id, entity, [key], etag, event, t) ORDER BY v.ord",
+        qi(schema),
+        values.join(", ")
+    )
+}
+
+/// Parameters per version row in [`versions_merge_sql`].
+pub const VERSION_PARAMS: usize = 4;
+
+/// Upserts `rows` versions: per row entity, key, etag, is_deleted.
+pub fn versions_merge_sql(schema: &str, rows: usize) -> String {
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let p = r * VERSION_PARAMS;
+            format!("(@P{}, @P{}, @P{}, @P{})", p + 1, p + 2, p + 3, p + 4)
+        })
+        .collect();
+    format!(
+        "MERGE {}.[version] WITH (HOLDLOCK) AS t \
+         USING (VALUES {}) AS s(entity, [key], etag, is_deleted) \
+         ON t.[entity] = s.entity AND t.[key] = s.[key] \
+         WHEN MATCHED THEN UPDATE SET [etag] = s.etag, [is_deleted] = s.is_deleted, \
+         [updated_at] = SYSUTCDATETIME() \
+         WHEN NOT MATCHED THEN INSERT ([entity], [key], [etag], [is_deleted]) \
+         VALUES (s.entity, s.[key], s.etag, s.is_deleted);",
+        qi(schema),
+        values.join(", ")
+    )
+}
+
+/// Stored versions of `keys` keys of entity `@P1` (keys from `@P2`).
+pub fn versions_sql(schema: &str, keys: usize) -> String {
+    let list: Vec<String> = (0..keys).map(|i| format!("@P{}", i + 2)).collect();
+    format!(
+        "SELECT [key], [etag], CAST([is_deleted] AS int) FROM {}.[version] \
+         WHERE [entity] = @P1 AND [key] IN ({})",
+        qi(schema),
+        list.join(", ")
+    )
+}
+
+/// Pending outbox rows and the age of the oldest (ms).
+pub fn pending_sql(schema: &str) -> String {
+    format!(
+        "SELECT CAST(COUNT(*) AS bigint), \
+         COALESCE(DATEDIFF_BIG(millisecond, MIN([enqueued_at]), SYSUTCDATETIME()), 0) \
+         FROM {}.[outbox] WHERE [dequeued_at] IS NULL",
+        qi(schema)
+    )
+}
+
+/// At most `@P1` pending rows for the relay, in id order. Without
+/// `partitions` (one relay for all): `UPDLOCK, READPAST`, PostgreSQL's
+/// `FOR UPDATE SKIP LOCKED`. With them (a relay inside `skein apply`):
+/// waits for rows another relay holds instead of skipping, keeping
+/// per-aggregate order across a partition hand-over.
+pub fn relay_select_sql(schema: &str, partitions: Option<&[i32]>) -> String {
+    let (hint, filter) = match partitions {
+        None => ("UPDLOCK, READPAST, ROWLOCK", String::new()),
+        Some(ps) => {
+            let list: Vec<String> = ps.iter().map(i32::to_string).collect();
+            (
+                "UPDLOCK, ROWLOCK",
+                format!(" AND [partition] IN ({})", list.join(", ")),
+            )
+        }
+    };
+    format!(
+        "SELECT TOP (@P1) [id], [entity], [event] FROM {}.[outbox] WITH ({hint}) \
+         WHERE [dequeued_at] IS NULL{filter} ORDER BY [id]",
+        qi(schema)
+    )
+}
+
+/// `skein replay`: moves a partition's progress (`@P1` group, `@P2`
+/// topic, `@P3` partition) from offset `@P4` back to `@P5`, forgetting
+/// the last source change; affects 0 rows when progress moved meanwhile.
+pub fn rewind_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, \
+         [updated_at] = SYSUTCDATETIME() \
+         WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4",
+        qi(schema)
+    )
+}
+
+/// `skein replay --republish`: forgets the stored versions of `keys`
+/// keys of entity `@P1` (keys from `@P2`), so they publish again.
+pub fn forget_versions_sql(schema: &str, keys: usize) -> String {
+    let list: Vec<String> = (0..keys).map(|i| format!("@P{}", i + 2)).collect();
+    format!(
+        "DELETE FROM {}.[version] WHERE [entity] = @P1 AND [key] IN ({})",
+        qi(schema),
+        list.join(", ")
+    )
+}
+
+/// Marks relayed rows dequeued (ids are numbers read from the outbox).
+pub fn relay_mark_sql(schema: &str, ids: &[i64]) -> String {
+    let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+    format!(
+        "UPDATE {}.[outbox] SET [dequeued_at] = SYSUTCDATETIME() WHERE [id] IN ({})",
+        qi(schema),
+        list.join(", ")
+    )
+}
