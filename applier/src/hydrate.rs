@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use crate::connect_postgres;
 use serde_json::{Map, Value};
-use skein_common::config::{Cardinality, Config, EntityConfig, SourceKind, TableNode};
+use skein_common::config::{self, Cardinality, Config, EntityConfig, TableNode};
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{Dialect, RootKey};
 use skein_sql::postgres::{hydrate_sql, referenced_columns};
@@ -38,17 +38,17 @@ pub enum Source {
 impl Source {
     /// Connects to the configured source for reading state.
     pub async fn connect(cfg: &Config) -> Result<Source> {
-        match cfg.source.kind {
-            SourceKind::Postgres => {
-                let client = connect_postgres(cfg.source.url.expose(), "source").await?;
+        match &cfg.source {
+            config::Source::Postgres(pg) => {
+                let client = connect_postgres(pg.url.expose(), "source").await?;
                 client
                     .batch_execute(SESSION_SETTINGS)
                     .await
                     .map_err(db("setting the session formats"))?;
                 Ok(Source::Postgres(client))
             }
-            SourceKind::Sqlserver => Ok(Source::SqlServer(Box::new(
-                MssqlClient::connect(cfg.source.url.expose()).await?,
+            config::Source::SqlServer(ms) => Ok(Source::SqlServer(Box::new(
+                MssqlClient::connect(ms.url.expose()).await?,
             ))),
         }
     }

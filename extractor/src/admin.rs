@@ -2,7 +2,7 @@
 //! `skein marker reset --latest` ask of the source, whichever the dialect:
 //! the binary calls these and never branches on `source.kind`.
 
-use skein_common::config::{Config, SourceKind};
+use skein_common::config::{Config, PostgresSource, Source};
 use skein_common::{PgLsn, SourcePosition};
 use skein_sql::Catalog;
 
@@ -25,11 +25,11 @@ pub struct Validation {
 /// lists, replica identities, the slot; SQL Server: CDC on the database,
 /// capture instances with key and join columns, the capture job).
 pub async fn validate(cfg: &Config) -> Result<Validation> {
-    match cfg.source.kind {
-        SourceKind::Postgres => validate_postgres(cfg).await,
-        SourceKind::Sqlserver => {
+    match &cfg.source {
+        Source::Postgres(pg) => validate_postgres(cfg, pg).await,
+        Source::SqlServer(ms) => {
             // Connecting checks tables, columns and types; `check` the CDC set-up.
-            let mut source = MssqlSource::connect(cfg).await?;
+            let mut source = MssqlSource::connect(cfg, ms).await?;
             source.check().await?;
             Ok(Validation {
                 ok: format!(
@@ -47,9 +47,9 @@ pub async fn validate(cfg: &Config) -> Result<Validation> {
     }
 }
 
-async fn validate_postgres(cfg: &Config) -> Result<Validation> {
+async fn validate_postgres(cfg: &Config, pg: &PostgresSource) -> Result<Validation> {
     use skein_sql::postgres::admin as q;
-    let client = postgres::connect(&cfg.source.url, "source").await?;
+    let client = postgres::connect(&pg.url, "source").await?;
     let mut v = Validation {
         ok: "config and source are ready".into(),
         ..Validation::default()
@@ -76,8 +76,8 @@ async fn validate_postgres(cfg: &Config) -> Result<Validation> {
                 .into(),
         );
     } else {
-        let ddl = skein_sql::postgres::source_ddl(cfg, &catalog);
-        let publication = &cfg.source.publication;
+        let ddl = skein_sql::postgres::source_ddl(cfg, pg, &catalog);
+        let publication = &pg.publication;
         let exists = client
             .query_opt(q::PUBLICATION_EXISTS, &[publication])
             .await
@@ -124,7 +124,7 @@ async fn validate_postgres(cfg: &Config) -> Result<Validation> {
             }
         }
     }
-    let slot = &cfg.source.slot;
+    let slot = &pg.slot;
     let status = client
         .query_opt(q::SLOT_WAL_STATUS, &[slot])
         .await
@@ -145,17 +145,17 @@ async fn validate_postgres(cfg: &Config) -> Result<Validation> {
 /// confirmed position against the server's WAL end; SQL Server, CDC's max
 /// LSN and each capture instance's min LSN (the validity interval).
 pub async fn status(cfg: &Config) -> Result<serde_json::Value> {
-    match cfg.source.kind {
-        SourceKind::Postgres => {
-            let client = postgres::connect(&cfg.source.url, "source").await?;
+    match &cfg.source {
+        Source::Postgres(pg) => {
+            let client = postgres::connect(&pg.url, "source").await?;
             let row = client
-                .query_opt(skein_sql::postgres::admin::SLOT_STATUS, &[&cfg.source.slot])
+                .query_opt(skein_sql::postgres::admin::SLOT_STATUS, &[&pg.slot])
                 .await
                 .map_err(src("reading the replication slot"))?;
             Ok(match row {
-                None => serde_json::json!({ "slot": cfg.source.slot, "exists": false }),
+                None => serde_json::json!({ "slot": pg.slot, "exists": false }),
                 Some(r) => serde_json::json!({
-                    "slot": cfg.source.slot,
+                    "slot": pg.slot,
                     "exists": true,
                     "confirmed": r.get::<_, Option<String>>(0),
                     "wal_end": r.get::<_, String>(1),
@@ -165,8 +165,8 @@ pub async fn status(cfg: &Config) -> Result<serde_json::Value> {
                 }),
             })
         }
-        SourceKind::Sqlserver => {
-            let mut source = MssqlSource::connect(cfg).await?;
+        Source::SqlServer(ms) => {
+            let mut source = MssqlSource::connect(cfg, ms).await?;
             let (max, mins) = source.validity_interval().await?;
             Ok(serde_json::json!({
                 "max_lsn": max.to_string(),
@@ -181,9 +181,9 @@ pub async fn status(cfg: &Config) -> Result<serde_json::Value> {
 
 /// The source's current end: what `marker reset --latest` moves to.
 pub async fn head(cfg: &Config) -> Result<SourcePosition> {
-    match cfg.source.kind {
-        SourceKind::Postgres => {
-            let client = postgres::connect(&cfg.source.url, "source").await?;
+    match &cfg.source {
+        Source::Postgres(pg) => {
+            let client = postgres::connect(&pg.url, "source").await?;
             let s: String = client
                 .query_one(skein_sql::postgres::admin::CURRENT_WAL_LSN, &[])
                 .await
@@ -193,7 +193,7 @@ pub async fn head(cfg: &Config) -> Result<SourcePosition> {
                 .map_err(|e| Error::Decode(format!("pg_current_wal_lsn: {e}")))?
                 .into())
         }
-        SourceKind::Sqlserver => Ok(MssqlSource::connect(cfg)
+        Source::SqlServer(ms) => Ok(MssqlSource::connect(cfg, ms)
             .await?
             .current_max_lsn()
             .await?
@@ -206,12 +206,12 @@ pub async fn head(cfg: &Config) -> Result<SourcePosition> {
 /// message). A config naming tables or columns the source lacks is refused
 /// with every problem listed.
 pub async fn enable_cdc(cfg: &Config, apply: bool) -> Result<CdcSetup> {
-    match cfg.source.kind {
-        SourceKind::Postgres => {
-            let client = postgres::connect(&cfg.source.url, "source").await?;
+    match &cfg.source {
+        Source::Postgres(pg) => {
+            let client = postgres::connect(&pg.url, "source").await?;
             let catalog = postgres::load_catalog(&client, cfg).await?;
             refuse_catalog_problems(cfg, &catalog)?;
-            let ddl = skein_sql::postgres::source_ddl(cfg, &catalog);
+            let ddl = skein_sql::postgres::source_ddl(cfg, pg, &catalog);
             if apply {
                 client
                     .batch_execute(&ddl)
@@ -223,9 +223,8 @@ pub async fn enable_cdc(cfg: &Config, apply: bool) -> Result<CdcSetup> {
                 ddl,
             })
         }
-        SourceKind::Sqlserver => {
-            let mut client =
-                skein_sql::sqlserver::MssqlClient::connect(cfg.source.url.expose()).await?;
+        Source::SqlServer(ms) => {
+            let mut client = skein_sql::sqlserver::MssqlClient::connect(ms.url.expose()).await?;
             let catalog = sqlserver::load_catalog(&mut client, cfg).await?;
             refuse_catalog_problems(cfg, &catalog)?;
             let ddl = skein_sql::sqlserver::source_ddl(cfg, &catalog);

@@ -21,7 +21,7 @@ pub mod sqlserver;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use skein_common::config::{Config, SourceKind};
+use skein_common::config::{Config, Source};
 use skein_common::failpoint::failpoint;
 use skein_common::{ChangeRecord, SourcePosition};
 use skein_sql::Catalog;
@@ -113,10 +113,10 @@ pub enum AnySource {
 impl AnySource {
     /// Connects to the configured source and reads its catalog.
     pub async fn connect(cfg: &Config) -> Result<AnySource> {
-        Ok(match cfg.source.kind {
-            SourceKind::Postgres => AnySource::Postgres(Box::new(PgSource::connect(cfg).await?)),
-            SourceKind::Sqlserver => {
-                AnySource::SqlServer(Box::new(MssqlSource::connect(cfg).await?))
+        Ok(match &cfg.source {
+            Source::Postgres(s) => AnySource::Postgres(Box::new(PgSource::connect(cfg, s).await?)),
+            Source::SqlServer(s) => {
+                AnySource::SqlServer(Box::new(MssqlSource::connect(cfg, s).await?))
             }
         })
     }
@@ -215,14 +215,13 @@ pub(crate) fn marker_in<T>(
 /// Reads the catalog of the configured source (for appliers, which do not
 /// read changes).
 pub async fn load_catalog(cfg: &Config) -> Result<Catalog> {
-    match cfg.source.kind {
-        SourceKind::Postgres => {
-            let client = postgres::connect(&cfg.source.url, "source").await?;
+    match &cfg.source {
+        Source::Postgres(s) => {
+            let client = postgres::connect(&s.url, "source").await?;
             postgres::load_catalog(&client, cfg).await
         }
-        SourceKind::Sqlserver => {
-            let mut client =
-                skein_sql::sqlserver::MssqlClient::connect(cfg.source.url.expose()).await?;
+        Source::SqlServer(s) => {
+            let mut client = skein_sql::sqlserver::MssqlClient::connect(s.url.expose()).await?;
             sqlserver::load_catalog(&mut client, cfg).await
         }
     }

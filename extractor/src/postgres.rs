@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
-use skein_common::config::{Config, Secret};
+use skein_common::config::{Config, PostgresSource, Secret};
 use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
 use skein_sql::postgres::{resolve_sql, CATALOG_QUERY};
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
@@ -138,16 +138,16 @@ pub struct PgSource {
 
 impl PgSource {
     /// Connects the query connection and builds the resolution plans.
-    pub async fn connect(cfg: &Config) -> Result<PgSource> {
-        let client = connect(&cfg.source.url, "source").await?;
+    pub async fn connect(cfg: &Config, source: &PostgresSource) -> Result<PgSource> {
+        let client = connect(&source.url, "source").await?;
         let catalog = load_catalog(&client, cfg).await?;
         let (plans, by_table) = crate::plans_for(cfg, &catalog)?;
         Ok(PgSource {
             client,
             catalog,
-            url: cfg.source.url.clone(),
-            slot: cfg.source.slot.clone(),
-            publication: cfg.source.publication.clone(),
+            url: source.url.clone(),
+            slot: source.slot.clone(),
+            publication: source.publication.clone(),
             plans,
             by_table,
             stream: None,

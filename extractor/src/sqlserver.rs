@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use skein_common::config::Config;
+use skein_common::config::{Config, SqlServerSource};
 use skein_common::position::SqlServerLsn;
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{ChangeRecord, Op, RootKey, SourcePosition};
@@ -342,8 +342,8 @@ pub fn unsupported_columns(cfg: &Config, catalog: &Catalog) -> Vec<String> {
 
 impl MssqlSource {
     /// Connects, reads the catalog and builds the resolution plans.
-    pub async fn connect(cfg: &Config) -> Result<MssqlSource> {
-        let mut client = MssqlClient::connect(cfg.source.url.expose()).await?;
+    pub async fn connect(cfg: &Config, source: &SqlServerSource) -> Result<MssqlSource> {
+        let mut client = MssqlClient::connect(source.url.expose()).await?;
         let catalog = load_catalog(&mut client, cfg).await?;
         let (plans, by_table) = crate::plans_for(cfg, &catalog)?;
         let unsupported = unsupported_columns(cfg, &catalog);
@@ -374,9 +374,9 @@ impl MssqlSource {
             plans,
             by_table,
             tracked,
-            configured: cfg.source.capture_instances.clone(),
+            configured: source.capture_instances.clone(),
             instances: vec![],
-            poll: Duration::from_millis(cfg.source.poll_interval_ms),
+            poll: Duration::from_millis(source.poll_interval_ms),
             database,
         })
     }

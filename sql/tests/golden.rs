@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use skein_common::config::expand_env;
+use skein_common::config::{expand_env, Source};
 use skein_common::Config;
 use skein_sql::postgres::{hydrate_sql, resolve_sql, sidecar_ddl, source_ddl};
 use skein_sql::sqlserver;
@@ -95,7 +95,13 @@ fn check(name: &str, text: &str) {
 #[test]
 fn postgres_source_ddl_is_frozen() {
     let (cfg, cat) = quickstart();
-    check("postgres_source_quickstart.sql", &source_ddl(&cfg, &cat));
+    let Source::Postgres(pg) = &cfg.source else {
+        panic!("the quickstart reads PostgreSQL")
+    };
+    check(
+        "postgres_source_quickstart.sql",
+        &source_ddl(&cfg, pg, &cat),
+    );
 }
 
 #[test]

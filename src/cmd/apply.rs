@@ -11,30 +11,25 @@ use skein_common::config::Config;
 use skein_transporter::kafka::{dlq_topic, ensure_topic, InboxSettings, KafkaInbox};
 use tokio_util::sync::CancellationToken;
 
-use super::{kafka_transport, make_sink, shutdown_token, sidecar};
+use super::{kafka, kafka_client, make_sink, shutdown_token, sidecar};
 
 /// Runs the applier until a signal or an error.
 pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<()> {
     let cancel = shutdown_token();
-    let (kc, topic) = kafka_transport(&cfg)?;
+    let k = kafka(&cfg)?;
+    let (kc, topic) = (kafka_client(k), k.topic.clone());
     sidecar(&cfg).await?.migrate().await?;
     let catalog = skein_extractor::load_catalog(&cfg).await?;
     for t in [topic.clone(), dlq_topic(&topic)] {
-        ensure_topic(
-            &kc,
-            &t,
-            cfg.transport.partitions,
-            cfg.transport.replication_factor,
-        )
-        .await?;
+        ensure_topic(&kc, &t, k.partitions, k.replication_factor).await?;
     }
     let owned: Owned = Arc::default();
     let relay_cancel = CancellationToken::new();
-    let relay = if cfg.transport.relay_in_apply {
+    let relay = if k.relay_in_apply {
         Some(tokio::spawn(run_relay(
             sidecar(&cfg).await?,
             make_sink(&cfg)?,
-            cfg.sink.relay_batch,
+            cfg.relay_batch,
             RelayScope::Partitions(owned.clone()),
             relay_cancel.clone(),
         )))
@@ -43,11 +38,11 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     };
     let settings = InboxSettings {
         topic: topic.clone(),
-        group: cfg.consumer_group(),
+        group: k.group.clone(),
         instance_id,
         entities: cfg.entities.iter().map(|e| e.name.clone()).collect(),
-        max_records: cfg.transport.max_batch_records,
-        wait: Duration::from_millis(cfg.transport.batch_wait_ms),
+        max_records: k.max_batch_records,
+        wait: Duration::from_millis(k.batch_wait_ms),
     };
     let resume = resume_from_sidecar(&cfg, &topic, tokio::runtime::Handle::current());
     let mut inbox = KafkaInbox::new(&kc, settings, resume)?;

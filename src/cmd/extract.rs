@@ -4,21 +4,16 @@ use skein_common::config::Config;
 use skein_extractor::{AnySource, SledMarkerStore};
 use skein_transporter::kafka::{ensure_topic, KafkaTransport};
 
-use super::{kafka_transport, shutdown_token};
+use super::{kafka, kafka_client, shutdown_token};
 
 /// Runs the extractor until a signal or an error.
 pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
-    let (kc, topic) = kafka_transport(&cfg)?;
+    let k = kafka(&cfg)?;
+    let (kc, topic) = (kafka_client(k), &k.topic);
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
-    ensure_topic(
-        &kc,
-        &topic,
-        cfg.transport.partitions,
-        cfg.transport.replication_factor,
-    )
-    .await?;
-    let transport = KafkaTransport::new(&kc, &topic, cfg.transport.partitions)?;
+    ensure_topic(&kc, topic, k.partitions, k.replication_factor).await?;
+    let transport = KafkaTransport::new(&kc, topic, k.partitions)?;
     let mut source = AnySource::connect(&cfg).await?;
     skein_extractor::run(&cfg, &mut source, &markers, &transport, cancel).await?;
     Ok(())

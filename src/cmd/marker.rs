@@ -33,10 +33,10 @@ pub async fn reset(
     let position: SourcePosition = match (to, latest) {
         (Some(t), false) => {
             let p: SourcePosition = t.parse()?;
-            if p.dialect() != cfg.source.kind.dialect() {
+            if p.dialect() != cfg.source.dialect() {
                 bail!(
                     "{t} is not a position of this source ({:?})",
-                    cfg.source.kind
+                    cfg.source.kind()
                 );
             }
             p

@@ -13,30 +13,29 @@ pub mod sql;
 pub mod status;
 pub mod validate;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use rdkafka::config::ClientConfig;
 use skein_applier::sidecar::AnySidecar;
 use skein_applier::sink::{FileSink, KafkaSink, Sink, StdoutSink};
-use skein_common::config::{Config, SinkKind, TransportKind};
+use skein_common::config::{self, Config, KafkaTransport, Transport};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 /// The configured sink.
 pub fn make_sink(cfg: &Config) -> anyhow::Result<Box<dyn Sink>> {
-    Ok(match cfg.sink.kind {
-        SinkKind::Stdout => Box::new(StdoutSink),
-        SinkKind::File => {
-            let path = cfg.sink.path.clone().context("sink.path")?;
-            Box::new(FileSink::open(&path, cfg.sink.also_stdout)?)
-        }
-        SinkKind::Kafka => Box::new(KafkaSink::new(
-            cfg.sink.brokers.as_deref().context("sink.brokers")?,
-            &cfg.sink.kafka_properties,
-            cfg.sink
-                .topic_prefix
-                .as_deref()
-                .context("sink.topic_prefix")?,
-            cfg.sink.mode,
+    Ok(match &cfg.sink {
+        config::Sink::Stdout => Box::new(StdoutSink),
+        config::Sink::File { path, also_stdout } => Box::new(FileSink::open(path, *also_stdout)?),
+        config::Sink::Kafka {
+            brokers,
+            topic_prefix,
+            mode,
+            kafka_properties,
+        } => Box::new(KafkaSink::new(
+            brokers,
+            kafka_properties,
+            topic_prefix,
+            *mode,
         )?),
     })
 }
@@ -46,21 +45,17 @@ pub async fn sidecar(cfg: &Config) -> anyhow::Result<AnySidecar> {
     Ok(AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?)
 }
 
-/// The Kafka client settings and change topic of a Kafka transport config.
-pub fn kafka_transport(cfg: &Config) -> anyhow::Result<(ClientConfig, String)> {
-    if cfg.transport.kind != TransportKind::Kafka {
-        bail!("this command needs `transport.kind: kafka`");
+/// The Kafka transport of the config, for the commands that need one.
+pub fn kafka(cfg: &Config) -> anyhow::Result<&KafkaTransport> {
+    match &cfg.transport {
+        Transport::Kafka(k) => Ok(k),
+        Transport::InProcess(_) => bail!("this command needs `transport.kind: kafka`"),
     }
-    let brokers = cfg
-        .transport
-        .brokers
-        .as_deref()
-        .context("transport.brokers")?;
-    let topic = cfg.transport.topic.clone().context("transport.topic")?;
-    Ok((
-        skein_transporter::kafka::client_config(brokers, &cfg.transport.kafka_properties),
-        topic,
-    ))
+}
+
+/// The librdkafka client settings of a Kafka transport.
+pub fn kafka_client(k: &KafkaTransport) -> ClientConfig {
+    skein_transporter::kafka::client_config(&k.brokers, &k.kafka_properties)
 }
 
 /// A token cancelled by SIGTERM or SIGINT. The handlers are installed

@@ -12,7 +12,7 @@ pub async fn relay(cfg: Config) -> anyhow::Result<()> {
     run_relay(
         sidecar(&cfg).await?,
         make_sink(&cfg)?,
-        cfg.sink.relay_batch,
+        cfg.relay_batch,
         RelayScope::All,
         cancel,
     )

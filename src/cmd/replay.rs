@@ -15,7 +15,7 @@ use skein_common::config::Config;
 use skein_transporter::kafka::{plan_replay, ReplayFrom};
 use tracing::warn;
 
-use super::{kafka_transport, sidecar};
+use super::{kafka, kafka_client, sidecar};
 
 /// `--offset` or `--from-time` (RFC 3339, or milliseconds since the Unix epoch).
 pub fn from(offset: Option<i64>, from_time: Option<String>) -> anyhow::Result<ReplayFrom> {
@@ -45,15 +45,15 @@ pub async fn replay(
     republish: bool,
     force_while_running: bool,
 ) -> anyhow::Result<()> {
-    let (kc, topic) = kafka_transport(&cfg)?;
-    let group = cfg.consumer_group();
+    let k = kafka(&cfg)?;
+    let (kc, topic, group) = (kafka_client(k), k.topic.clone(), k.group.clone());
     let parts: Vec<u32> = match partition {
-        Some(p) if p >= cfg.transport.partitions => bail!(
+        Some(p) if p >= k.partitions => bail!(
             "partition {p} does not exist (transport.partitions is {})",
-            cfg.transport.partitions
+            k.partitions
         ),
         Some(p) => vec![p],
-        None => (0..cfg.transport.partitions).collect(),
+        None => (0..k.partitions).collect(),
     };
     let mut sidecar = sidecar(&cfg).await?;
     let mut current = BTreeMap::new();

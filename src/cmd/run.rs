@@ -4,7 +4,7 @@
 use anyhow::bail;
 use skein_applier::relay::{run_relay, RelayScope};
 use skein_applier::sidecar::Sidecar;
-use skein_common::config::{Config, TransportKind};
+use skein_common::config::{Config, Transport};
 use skein_extractor::{AnySource, SledMarkerStore};
 use skein_transporter::InProcess;
 use tokio_util::sync::CancellationToken;
@@ -15,18 +15,15 @@ use super::{make_sink, shutdown_token, sidecar};
 /// ends → the inbox closes and the appliers drain → the relay drains.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
-    if cfg.transport.kind != TransportKind::InProcess {
+    let Transport::InProcess(t) = &cfg.transport else {
         bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
-    }
+    };
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
     sidecar(&cfg).await?.migrate().await?;
     let mut source = AnySource::connect(&cfg).await?;
     let catalog = source.catalog().clone();
-    let (transport, mut inbox) = InProcess::new(
-        cfg.transport.partitions,
-        cfg.transport.channel_capacity,
-        cfg.source.kind.dialect(),
-    );
+    let (transport, mut inbox) =
+        InProcess::new(t.partitions, t.channel_capacity, cfg.source.dialect());
     let appliers = {
         let cfg = cfg.clone();
         // The in-process appliers stop when the extractor's side closes,
@@ -39,7 +36,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let relay = tokio::spawn(run_relay(
         sidecar(&cfg).await?,
         make_sink(&cfg)?,
-        cfg.sink.relay_batch,
+        cfg.relay_batch,
         RelayScope::All,
         relay_cancel.clone(),
     ));
@@ -48,8 +45,10 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let applied = appliers.await;
     relay_cancel.cancel();
     let relayed = relay.await;
-    result?;
+    // An applier that failed is the cause of the extractor's "applier
+    // failed / gone": report it first.
     applied??;
+    result?;
     relayed??;
     Ok(())
 }

@@ -3,16 +3,17 @@
 use anyhow::bail;
 use skein_applier::sidecar::is_postgres_url;
 use skein_common::config::{Config, SourceKind};
+use skein_common::Dialect;
 
 /// CDC enablement for the configured entities (printed, or run with
 /// `apply`). `sqlserver`: the dialect asked for, which must be the source's.
 pub async fn source(cfg: &Config, sqlserver: Option<bool>, apply: bool) -> anyhow::Result<()> {
     if let Some(wants) = sqlserver {
-        if wants != (cfg.source.kind == SourceKind::Sqlserver) {
+        if wants != (cfg.source.kind() == SourceKind::Sqlserver) {
             bail!(
                 "the config's source is {:?}: `skein sql source` prints the statements for \
                  that source's own dialect",
-                cfg.source.kind
+                cfg.source.kind()
             );
         }
     }
@@ -27,10 +28,11 @@ pub async fn source(cfg: &Config, sqlserver: Option<bool>, apply: bool) -> anyho
 /// The sidecar schema DDL, in the asked dialect or the sidecar URL's.
 pub fn sidecar(cfg: &Config, sqlserver: Option<bool>) -> anyhow::Result<()> {
     let tsql = sqlserver.unwrap_or_else(|| !is_postgres_url(cfg.sidecar_url().expose()));
-    if tsql {
-        print!("{}", skein_sql::sqlserver::sidecar_ddl(&cfg.sidecar.schema));
+    let dialect = if tsql {
+        Dialect::SqlServer
     } else {
-        print!("{}", skein_sql::postgres::sidecar_ddl(&cfg.sidecar.schema));
-    }
+        Dialect::Postgres
+    };
+    print!("{}", skein_sql::sidecar_ddl(dialect, &cfg.sidecar.schema));
     Ok(())
 }

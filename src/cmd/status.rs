@@ -7,22 +7,22 @@
 //! * `outbox`: rows not yet relayed and the age of the oldest.
 
 use skein_applier::sidecar::Sidecar;
-use skein_common::config::{Config, TransportKind};
+use skein_common::config::{Config, Transport};
 use skein_common::SourcePosition;
 use skein_transporter::IN_PROCESS_TOPIC;
 
-use super::{kafka_transport, sidecar};
+use super::{kafka_client, sidecar};
 
 /// Prints the status.
 pub async fn status(cfg: Config) -> anyhow::Result<()> {
     let mut out = serde_json::Map::new();
     out.insert("source".into(), skein_extractor::admin::status(&cfg).await?);
     let mut sidecar = sidecar(&cfg).await?;
-    let (topic, ends) = match cfg.transport.kind {
-        TransportKind::InProcess => (IN_PROCESS_TOPIC.to_string(), None),
-        TransportKind::Kafka => {
-            let (kc, topic) = kafka_transport(&cfg)?;
-            let (t, n) = (topic.clone(), cfg.transport.partitions);
+    let (topic, ends) = match &cfg.transport {
+        Transport::InProcess(_) => (IN_PROCESS_TOPIC.to_string(), None),
+        Transport::Kafka(k) => {
+            let (kc, topic) = (kafka_client(k), k.topic.clone());
+            let (t, n) = (topic.clone(), k.partitions);
             let ends = tokio::task::spawn_blocking(move || {
                 skein_transporter::kafka::watermarks(&kc, &t, n)
             })
@@ -32,13 +32,13 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
     };
     let mut parts = vec![];
     let mut total_lag = 0i64;
-    for p in 0..cfg.transport.partitions {
+    for p in 0..cfg.transport.partitions() {
         let pr = sidecar.progress(&cfg.name, &topic, p).await?;
         let progress: serde_json::Value = match (pr, &ends) {
             (None, _) => serde_json::Value::Null,
             (Some(x), Some(_)) => x.offset().into(),
             (Some(x), None) => {
-                SourcePosition::describe_numeric(cfg.source.kind.dialect(), x.position).into()
+                SourcePosition::describe_numeric(cfg.source.dialect(), x.position).into()
             }
         };
         let mut v = serde_json::json!({ "partition": p, "progress": progress });

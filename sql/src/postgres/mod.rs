@@ -8,7 +8,7 @@ pub mod sidecar;
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
-use skein_common::config::{Config, EntityConfig, TableNode};
+use skein_common::config::{Config, EntityConfig, PostgresSource, TableNode};
 
 use crate::catalog::{Catalog, ColumnInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
@@ -162,7 +162,7 @@ pub fn tracked_tables(cfg: &Config, catalog: &Catalog) -> Vec<TrackedTable> {
 
 /// `skein sql source` for PostgreSQL: replica identities and the publication,
 /// idempotent (safe to run again after a config change).
-pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
+pub fn source_ddl(cfg: &Config, source: &PostgresSource, catalog: &Catalog) -> String {
     let tables = tracked_tables(cfg, catalog);
     let mut s = String::new();
     let _ = writeln!(
@@ -187,7 +187,7 @@ pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
             );
         }
     }
-    let pubname = &cfg.source.publication;
+    let pubname = &source.publication;
     let _ = writeln!(
         s,
         "\nDO $$\nBEGIN\n  IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = {}) THEN\n    CREATE PUBLICATION {};\n  END IF;\nEND\n$$;",
@@ -234,7 +234,7 @@ pub fn source_ddl(cfg: &Config, catalog: &Catalog) -> String {
         "\n-- The replication slot is created by `skein run` / `skein extract` on first start;\n\
          -- to create it yourself:\n\
          -- SELECT pg_create_logical_replication_slot({}, 'pgoutput');",
-        ql(&cfg.source.slot)
+        ql(&source.slot)
     );
     s
 }

@@ -1,0 +1,592 @@
+//! The YAML configuration model (nTangle's vocabulary in snake_case).
+//!
+//! Every struct denies unknown fields; defaults are named constants; the
+//! config is loaded once and passed in, never global. [`Config::validate`]
+//! checks what can be checked without I/O; `skein validate` adds the checks
+//! that need the source.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Default consumer-group / progress name.
+pub const DEFAULT_NAME: &str = "skein";
+/// Default replication slot and publication name.
+pub const DEFAULT_SLOT: &str = "skein";
+/// Default publication name.
+pub const DEFAULT_PUBLICATION: &str = "skein";
+/// Default sidecar schema.
+pub const DEFAULT_SIDECAR_SCHEMA: &str = "skein";
+/// Default number of in-process partitions.
+pub const DEFAULT_PARTITIONS: u32 = 4;
+/// SQL Server: idle polling interval for `sys.fn_cdc_get_max_lsn()`.
+pub const DEFAULT_POLL_INTERVAL_MS: u64 = 500;
+/// Default bound of each in-process partition channel (batches in flight).
+pub const DEFAULT_CHANNEL_CAPACITY: usize = 2;
+/// Default cap of changes per extractor batch.
+pub const DEFAULT_MAX_BATCH_CHANGES: usize = 10_000;
+/// Default time the extractor waits for more changes once the stream is quiet.
+pub const DEFAULT_BATCH_LINGER_MS: u64 = 50;
+/// Default longest time a batch stays open.
+pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
+/// Default number of outbox rows the relay sends per transaction.
+pub const DEFAULT_RELAY_BATCH: i64 = 500;
+/// Default state directory (sled marker).
+pub const DEFAULT_STATE_DIR: &str = ".skein";
+/// Default CloudEvents `source` prefix.
+pub const DEFAULT_SOURCE_ROOT: &str = "/skein";
+/// Default CloudEvents `type` prefix.
+pub const DEFAULT_TYPE_ROOT: &str = "skein";
+
+mod entity;
+mod raw;
+mod validate;
+
+pub use entity::{Cardinality, EntityConfig, JoinConfig, JoinOn, JoinType, TableNode};
+use raw::RawConfig;
+pub use raw::{SinkKind, TransportKind};
+
+/// A validated configuration: the typed model every stage reads. What
+/// validation checked is in the types (a Kafka transport has its brokers
+/// and topic, a file sink its path), so call sites never check it again.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Name of this pipeline: the progress group and the Kafka consumer group suffix.
+    pub name: String,
+    /// Where changes come from.
+    pub source: Source,
+    /// Where batches, versions, progress and the outbox live.
+    pub sidecar: SidecarConfig,
+    /// How change records travel from extractor to appliers.
+    pub transport: Transport,
+    /// Where the relay sends events.
+    pub sink: Sink,
+    /// Outbox rows per relay transaction (`sink.relay_batch`).
+    pub relay_batch: i64,
+    /// CloudEvent naming.
+    pub events: EventsConfig,
+    /// Directory of the extractor's sled marker and its lock.
+    pub state_dir: PathBuf,
+    /// Extractor tuning and data-loss policy.
+    pub extractor: ExtractorConfig,
+    /// The aggregates to publish.
+    pub entities: Vec<EntityConfig>,
+}
+
+/// `source:`, by kind.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// PostgreSQL logical decoding (pgoutput).
+    Postgres(PostgresSource),
+    /// SQL Server CDC capture instances.
+    SqlServer(SqlServerSource),
+}
+
+/// `source: { kind: postgres, … }`
+#[derive(Clone, Debug)]
+pub struct PostgresSource {
+    /// Connection URL (`postgres://user:pass@host:port/db`).
+    pub url: Secret,
+    /// The replication slot (a plain identifier).
+    pub slot: String,
+    /// The publication (a plain identifier).
+    pub publication: String,
+}
+
+/// `source: { kind: sqlserver, … }`
+#[derive(Clone, Debug)]
+pub struct SqlServerSource {
+    /// An ADO.NET connection string or a `(jdbc:)sqlserver://` URL.
+    pub url: Secret,
+    /// The capture instance to read per table (`schema.table`: name).
+    pub capture_instances: BTreeMap<String, String>,
+    /// How often to ask for a new maximum LSN while idle (at least 1 ms).
+    pub poll_interval_ms: u64,
+}
+
+impl Source {
+    /// The kind, as the file names it.
+    pub fn kind(&self) -> SourceKind {
+        match self {
+            Source::Postgres(_) => SourceKind::Postgres,
+            Source::SqlServer(_) => SourceKind::Sqlserver,
+        }
+    }
+
+    /// The dialect of this source's positions.
+    pub fn dialect(&self) -> crate::position::Dialect {
+        self.kind().dialect()
+    }
+
+    /// The connection URL.
+    pub fn url(&self) -> &Secret {
+        match self {
+            Source::Postgres(s) => &s.url,
+            Source::SqlServer(s) => &s.url,
+        }
+    }
+}
+
+/// `transport:`, by kind.
+#[derive(Clone, Debug)]
+pub enum Transport {
+    /// Bounded in-process channels (the embedded default).
+    InProcess(InProcessTransport),
+    /// A Kafka topic.
+    Kafka(KafkaTransport),
+}
+
+/// `transport: { kind: in-process, … }`
+#[derive(Clone, Debug)]
+pub struct InProcessTransport {
+    /// Number of partitions (1 to 1024).
+    pub partitions: u32,
+    /// Batches buffered per partition before the extractor waits (at least 1).
+    pub channel_capacity: usize,
+}
+
+/// `transport: { kind: kafka, … }`
+#[derive(Clone, Debug)]
+pub struct KafkaTransport {
+    /// Number of topic partitions (1 to 1024).
+    pub partitions: u32,
+    /// Bootstrap servers.
+    pub brokers: String,
+    /// The change topic.
+    pub topic: String,
+    /// Replication factor when skein creates the topic.
+    pub replication_factor: i32,
+    /// The appliers' consumer group: `transport.group` or `skein-<name>`.
+    pub group: String,
+    /// Most records an applier takes into one batch (at least 1).
+    pub max_batch_records: usize,
+    /// How long an applier collects records before applying them.
+    pub batch_wait_ms: u64,
+    /// `skein apply` also relays the outbox rows of its partitions.
+    pub relay_in_apply: bool,
+    /// librdkafka properties passed through. Never logged.
+    pub kafka_properties: BTreeMap<String, Secret>,
+}
+
+impl Transport {
+    /// Number of partitions.
+    pub fn partitions(&self) -> u32 {
+        match self {
+            Transport::InProcess(t) => t.partitions,
+            Transport::Kafka(t) => t.partitions,
+        }
+    }
+}
+
+/// `sink:`, by kind.
+#[derive(Clone, Debug)]
+pub enum Sink {
+    /// One CloudEvent JSON per line on standard output.
+    Stdout,
+    /// A JSON Lines file (appended to).
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Also print every event on standard output.
+        also_stdout: bool,
+    },
+    /// A Kafka topic per entity: `{topic_prefix}.{entity}`.
+    Kafka {
+        /// Bootstrap servers.
+        brokers: String,
+        /// Topic prefix.
+        topic_prefix: String,
+        /// CloudEvents `structured` or `binary` mode.
+        mode: EventMode,
+        /// librdkafka properties passed through. Never logged.
+        kafka_properties: BTreeMap<String, Secret>,
+    },
+}
+
+/// A string that must never be printed (connection URLs carry passwords).
+#[derive(Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret value.
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    /// The secret itself, for the one place that needs it (the driver).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// Kind of source database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SourceKind {
+    /// PostgreSQL logical decoding (pgoutput).
+    Postgres,
+    /// SQL Server CDC capture instances.
+    Sqlserver,
+}
+
+impl SourceKind {
+    /// The dialect of this source's positions.
+    pub fn dialect(self) -> crate::position::Dialect {
+        match self {
+            SourceKind::Postgres => crate::position::Dialect::Postgres,
+            SourceKind::Sqlserver => crate::position::Dialect::SqlServer,
+        }
+    }
+}
+
+/// `sidecar:`
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SidecarConfig {
+    /// Connection URL; defaults to the source URL (sidecar schema in the source database).
+    pub url: Option<Secret>,
+    /// Schema of the sidecar tables.
+    #[serde(default = "default_sidecar_schema")]
+    pub schema: String,
+}
+
+fn default_sidecar_schema() -> String {
+    DEFAULT_SIDECAR_SCHEMA.into()
+}
+
+impl Default for SidecarConfig {
+    /// Without a `sidecar:` section: schema `skein` in the source database.
+    fn default() -> Self {
+        SidecarConfig {
+            url: None,
+            schema: default_sidecar_schema(),
+        }
+    }
+}
+
+/// CloudEvents Kafka protocol binding content mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventMode {
+    /// The whole event as JSON in the message value.
+    #[default]
+    Structured,
+    /// `data` as the value, the other attributes as `ce_` headers.
+    Binary,
+}
+
+/// How the `action` is spelled in event types.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActionFormat {
+    /// `created`, `updated`, `deleted`.
+    #[default]
+    PastTense,
+    /// `create`, `update`, `delete`.
+    PresentTense,
+}
+
+/// `events:`
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsConfig {
+    /// CloudEvents `source` prefix: `{source_root}/{schema}/{table}`.
+    #[serde(default = "default_source_root")]
+    pub source_root: String,
+    /// CloudEvents `type` prefix: `{type_root}.{entity}.{action}`.
+    #[serde(default = "default_type_root")]
+    pub type_root: String,
+    /// Spelling of actions.
+    #[serde(default)]
+    pub action_format: ActionFormat,
+}
+
+fn default_source_root() -> String {
+    DEFAULT_SOURCE_ROOT.into()
+}
+fn default_type_root() -> String {
+    DEFAULT_TYPE_ROOT.into()
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        EventsConfig {
+            source_root: DEFAULT_SOURCE_ROOT.into(),
+            type_root: DEFAULT_TYPE_ROOT.into(),
+            action_format: ActionFormat::PastTense,
+        }
+    }
+}
+
+/// `extractor:`
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExtractorConfig {
+    /// A batch closes at the first transaction boundary at or past this many changes.
+    #[serde(default = "default_max_batch_changes")]
+    pub max_batch_changes: usize,
+    /// On data loss, record it and go on from what the source still has.
+    #[serde(default)]
+    pub continue_with_data_loss: bool,
+    /// How long a quiet stream is waited on before a batch closes.
+    #[serde(default = "default_linger")]
+    pub batch_linger_ms: u64,
+    /// Longest time a batch stays open.
+    #[serde(default = "default_max_wait")]
+    pub max_batch_wait_ms: u64,
+}
+
+fn default_max_batch_changes() -> usize {
+    DEFAULT_MAX_BATCH_CHANGES
+}
+fn default_linger() -> u64 {
+    DEFAULT_BATCH_LINGER_MS
+}
+fn default_max_wait() -> u64 {
+    DEFAULT_MAX_BATCH_WAIT_MS
+}
+
+impl Default for ExtractorConfig {
+    fn default() -> Self {
+        ExtractorConfig {
+            max_batch_changes: DEFAULT_MAX_BATCH_CHANGES,
+            continue_with_data_loss: false,
+            batch_linger_ms: DEFAULT_BATCH_LINGER_MS,
+            max_batch_wait_ms: DEFAULT_MAX_BATCH_WAIT_MS,
+        }
+    }
+}
+
+impl Config {
+    /// Reads and parses a YAML file, then validates it.
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            file: path.display().to_string(),
+            source,
+        })?;
+        let file = path.display().to_string();
+        let text = expand_env(&text, &file, |name| std::env::var(name).ok())?;
+        Config::from_yaml(&text, &file)
+    }
+
+    /// Parses YAML text (`file` names it in errors), then validates it into
+    /// the typed model.
+    pub fn from_yaml(text: &str, file: &str) -> Result<Config> {
+        let raw: RawConfig = serde_yaml_ng::from_str(text).map_err(|e| Error::ConfigSyntax {
+            file: file.into(),
+            message: e.to_string(),
+        })?;
+        raw.validate(text, file)
+    }
+
+    /// The sidecar URL (the source's when not configured).
+    pub fn sidecar_url(&self) -> &Secret {
+        self.sidecar.url.as_ref().unwrap_or(self.source.url())
+    }
+
+    /// Looks an entity up by name.
+    pub fn entity(&self, name: &str) -> Option<&EntityConfig> {
+        self.entities.iter().find(|e| e.name == name)
+    }
+}
+
+/// Replaces `${NAME}` with the environment variable `NAME` (so secrets and
+/// per-machine URLs stay out of the file). An unset variable is an error
+/// naming it and its line; `$${` writes a literal `${`.
+pub fn expand_env(
+    text: &str,
+    file: &str,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<String> {
+    let mut out = String::with_capacity(text.len());
+    for (no, line) in text.split_inclusive('\n').enumerate() {
+        let mut rest = line;
+        while let Some(i) = rest.find("${") {
+            if rest[..i].ends_with('$') {
+                out.push_str(&rest[..i - 1]);
+                out.push_str("${");
+                rest = &rest[i + 2..];
+                continue;
+            }
+            out.push_str(&rest[..i]);
+            let end = rest[i..].find('}').ok_or_else(|| Error::ConfigInvalid {
+                file: file.into(),
+                field: "${…}".into(),
+                line: Some(no + 1),
+                message: "unterminated `${`".into(),
+            })?;
+            let name = &rest[i + 2..i + end];
+            let value = lookup(name).ok_or_else(|| Error::ConfigInvalid {
+                file: file.into(),
+                field: format!("${{{name}}}"),
+                line: Some(no + 1),
+                message: format!("environment variable `{name}` is not set"),
+            })?;
+            out.push_str(&value);
+            rest = &rest[i + end + 1..];
+        }
+        out.push_str(rest);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = r#"
+source: { kind: postgres, url: "postgres://u:secret@h/db" }
+sidecar: { schema: skein }
+entities:
+  - name: customer
+    table: customer
+    exclude_columns_from_etag: [row_version]
+    is_deleted_column: is_deleted
+    joins:
+      - { name: addresses, table: address, join_to: customer,
+          on: [{ name: customer_id, to_column: id }] }
+      - name: lines
+        table: address_line
+        join_to: addresses
+        on: [{ name: address_id, to_column: id }]
+"#;
+
+    #[test]
+    fn sample_parses_and_resolves_the_tree() {
+        let c = Config::from_yaml(SAMPLE, "t.yaml").unwrap();
+        let nodes = c.entities[0].nodes();
+        assert_eq!(nodes.len(), 3);
+        assert_eq!(nodes[1].parent, Some(0));
+        assert_eq!(nodes[2].parent, Some(1));
+        assert_eq!(nodes[2].depth, 2);
+        assert_eq!(c.transport.partitions(), DEFAULT_PARTITIONS);
+        assert!(matches!(c.transport, Transport::InProcess(_)));
+        assert!(matches!(c.source, Source::Postgres(_)));
+        assert!(
+            !format!("{c:?}").contains("secret"),
+            "Debug must hide secrets"
+        );
+    }
+
+    #[test]
+    fn validation_types_what_it_checked() {
+        let with = |section: &str| {
+            Config::from_yaml(
+                &SAMPLE.replace("entities:", &format!("{section}\nentities:")),
+                "t.yaml",
+            )
+        };
+        let c = with("sink: { kind: file, path: out.jsonl }").unwrap();
+        assert!(
+            matches!(&c.sink, Sink::File { path, also_stdout: false } if path == Path::new("out.jsonl"))
+        );
+        let c =
+            with("sink: { kind: kafka, brokers: b, topic_prefix: ev, relay_batch: 7 }").unwrap();
+        assert!(
+            matches!(&c.sink, Sink::Kafka { brokers, topic_prefix, .. } if brokers == "b" && topic_prefix == "ev")
+        );
+        assert_eq!(c.relay_batch, 7);
+        let c = with("transport: { kind: kafka, brokers: b, topic: t, group: g }").unwrap();
+        assert!(matches!(&c.transport, Transport::Kafka(k) if k.group == "g"));
+        // What the types cannot hold is refused, naming the field.
+        let e = with("sink: { kind: file }").unwrap_err().to_string();
+        assert!(e.contains("sink.path"), "{e}");
+        let e = with("transport: { kind: kafka, brokers: b }")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("transport.kind") && e.contains("needs `brokers` and `topic`"),
+            "{e}"
+        );
+        let e = with("sink: { kind: kafka, topic_prefix: ev }")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sink.brokers"), "{e}");
+    }
+
+    #[test]
+    fn defaults_apply_without_sections_and_kafka_secrets_stay_hidden() {
+        let c = Config::from_yaml(
+            &SAMPLE.replace("sidecar: { schema: skein }\n", "").replace(
+                "entities:",
+                "transport: { kind: kafka, brokers: b, topic: t,\n  kafka_properties: { sasl.password: hunter2 } }\nentities:",
+            ),
+            "t.yaml",
+        )
+        .unwrap();
+        assert_eq!(c.sidecar.schema, DEFAULT_SIDECAR_SCHEMA);
+        let Transport::Kafka(k) = &c.transport else {
+            panic!("a kafka transport: {:?}", c.transport)
+        };
+        assert_eq!(k.group, format!("skein-{}", c.name));
+        assert_eq!((k.brokers.as_str(), k.topic.as_str()), ("b", "t"));
+        assert_eq!(k.kafka_properties["sasl.password"].expose(), "hunter2");
+        assert!(
+            !format!("{c:?}").contains("hunter2"),
+            "Debug must hide secrets"
+        );
+    }
+
+    #[test]
+    fn unknown_field_names_field_and_line() {
+        let bad = SAMPLE.replace(
+            "    table: customer\n",
+            "    table: customer\n    tabel: x\n",
+        );
+        let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(e.contains("tabel"), "{e}");
+        assert!(e.contains("line 7"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_field_and_line() {
+        let bad = SAMPLE.replace("sidecar: { schema: skein }", "sidecar: { schema: [1] }");
+        let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(e.contains("sidecar"), "{e}");
+        assert!(e.contains("line 3"), "{e}");
+    }
+
+    #[test]
+    fn bad_join_to_names_field_and_line() {
+        let bad = SAMPLE.replace("join_to: addresses", "join_to: nowhere");
+        let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(e.contains("entities[0].joins[1].join_to"), "{e}");
+        assert!(e.starts_with("t.yaml:14:"), "{e}");
+        let bad = SAMPLE.replace("join_to: customer", "join_to: lines");
+        let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(e.starts_with("t.yaml:10:"), "{e}");
+    }
+
+    #[test]
+    fn env_references_expand_and_missing_ones_name_the_line() {
+        let look = |n: &str| (n == "PG").then(|| "postgres://h/db".to_string());
+        assert_eq!(
+            expand_env("a: ${PG}/x\nb: $${PG}\n", "f", look).unwrap(),
+            "a: postgres://h/db/x\nb: ${PG}\n"
+        );
+        let e = expand_env("a: 1\nb: ${NOPE}\n", "f", look)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("f:2:") && e.contains("NOPE"), "{e}");
+    }
+
+    #[test]
+    fn identifier_mapping_is_refused_until_implemented() {
+        let bad = SAMPLE.replace(
+            "is_deleted_column: is_deleted",
+            "is_deleted_column: is_deleted\n    identifier_mapping: true",
+        );
+        let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(e.contains("identifier_mapping"), "{e}");
+    }
+}

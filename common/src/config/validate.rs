@@ -1,0 +1,347 @@
+//! From the serde layer to the typed model: every check that needs no I/O,
+//! each error naming the field and its line in the file.
+
+use super::raw::{RawConfig, SinkKind, TransportKind};
+use super::*;
+
+impl RawConfig {
+    /// Checks what needs no I/O and builds the typed [`Config`]; an error
+    /// names the field and, when `text` (the file) is given, its line.
+    pub(crate) fn validate(self, text: &str, file: &str) -> Result<Config> {
+        let err = |path: &[PathStep], message: String| Error::ConfigInvalid {
+            file: file.into(),
+            field: render_path(path),
+            line: locate_line(text, path),
+            message,
+        };
+        use PathStep::{Idx, Key};
+        if !is_identifier(&self.name) {
+            return Err(err(
+                &[Key("name")],
+                "use letters, digits, `_`, `-` or `.` only".into(),
+            ));
+        }
+        if self.source.kind == SourceKind::Postgres {
+            for (field, v) in [
+                ("slot", &self.source.slot),
+                ("publication", &self.source.publication),
+            ] {
+                if !is_identifier(v) || v.contains(['-', '.']) {
+                    return Err(err(
+                        &[Key("source"), Key(field)],
+                        format!("`{v}` must be a plain identifier (letters, digits, `_`)"),
+                    ));
+                }
+            }
+        }
+        if self.source.kind == SourceKind::Sqlserver && self.source.poll_interval_ms == 0 {
+            return Err(err(
+                &[Key("source"), Key("poll_interval_ms")],
+                "must be at least 1".into(),
+            ));
+        }
+        if self.transport.partitions == 0 || self.transport.partitions > 1024 {
+            return Err(err(
+                &[Key("transport"), Key("partitions")],
+                "must be between 1 and 1024".into(),
+            ));
+        }
+        if self.transport.channel_capacity == 0 {
+            return Err(err(
+                &[Key("transport"), Key("channel_capacity")],
+                "must be at least 1".into(),
+            ));
+        }
+        if self.transport.kind == TransportKind::Kafka
+            && (self.transport.brokers.is_none() || self.transport.topic.is_none())
+        {
+            return Err(err(
+                &[Key("transport"), Key("kind")],
+                "kind `kafka` needs `brokers` and `topic`".into(),
+            ));
+        }
+        if self.sink.kind == SinkKind::File && self.sink.path.is_none() {
+            return Err(err(
+                &[Key("sink"), Key("path")],
+                "sink kind `file` needs `path`".into(),
+            ));
+        }
+        if self.sink.kind == SinkKind::Kafka && self.sink.topic_prefix.is_none() {
+            return Err(err(
+                &[Key("sink"), Key("topic_prefix")],
+                "sink kind `kafka` needs `topic_prefix`".into(),
+            ));
+        }
+        if self.transport.kind == TransportKind::Kafka && self.transport.max_batch_records == 0 {
+            return Err(err(
+                &[Key("transport"), Key("max_batch_records")],
+                "must be at least 1".into(),
+            ));
+        }
+        if self.sink.kind == SinkKind::Kafka && self.sink.brokers.is_none() {
+            return Err(err(
+                &[Key("sink"), Key("brokers")],
+                "sink kind `kafka` needs `brokers`".into(),
+            ));
+        }
+        if self.sink.relay_batch < 1 {
+            return Err(err(
+                &[Key("sink"), Key("relay_batch")],
+                "must be at least 1".into(),
+            ));
+        }
+        if self.extractor.max_batch_changes == 0 {
+            return Err(err(
+                &[Key("extractor"), Key("max_batch_changes")],
+                "must be at least 1".into(),
+            ));
+        }
+        if self.entities.is_empty() {
+            return Err(err(
+                &[Key("entities")],
+                "configure at least one entity".into(),
+            ));
+        }
+        for (ei, e) in self.entities.iter().enumerate() {
+            let at = |rest: &[PathStep]| {
+                let mut p = vec![Key("entities"), Idx(ei)];
+                p.extend_from_slice(rest);
+                p
+            };
+            if !is_identifier(&e.name) {
+                return Err(err(
+                    &at(&[Key("name")]),
+                    "use letters, digits, `_`, `-` or `.` only".into(),
+                ));
+            }
+            if self.entities[..ei].iter().any(|o| o.name == e.name) {
+                return Err(err(
+                    &at(&[Key("name")]),
+                    format!("entity `{}` is configured twice", e.name),
+                ));
+            }
+            if e.identifier_mapping {
+                return Err(err(
+                    &at(&[Key("identifier_mapping")]),
+                    "identifier mapping is not implemented yet; set it to false".into(),
+                ));
+            }
+            if matches!(&e.key, Some(k) if k.is_empty()) {
+                return Err(err(
+                    &at(&[Key("key")]),
+                    "must name at least one column".into(),
+                ));
+            }
+            if !e.include_columns.is_empty() && !e.exclude_columns.is_empty() {
+                return Err(err(
+                    &at(&[Key("exclude_columns")]),
+                    "use include_columns or exclude_columns, not both".into(),
+                ));
+            }
+            let mut seen_names = vec![e.name.as_str()];
+            for (ji, j) in e.joins.iter().enumerate() {
+                let jat = |f: &'static str| at(&[Key("joins"), Idx(ji), Key(f)]);
+                if seen_names.contains(&j.name.as_str()) {
+                    return Err(err(
+                        &jat("name"),
+                        format!(
+                            "join name `{}` is used twice in entity `{}`",
+                            j.name, e.name
+                        ),
+                    ));
+                }
+                seen_names.push(&j.name);
+                if e.resolve_parent(ji).is_none() {
+                    return Err(err(
+                        &jat("join_to"),
+                        format!(
+                            "`{}` is neither the root table `{}` nor a join declared above this one",
+                            j.join_to.as_deref().unwrap_or_default(),
+                            e.table
+                        ),
+                    ));
+                }
+                if j.on.is_empty() {
+                    return Err(err(
+                        &jat("on"),
+                        "a join needs at least one column pair".into(),
+                    ));
+                }
+                if !j.include_columns.is_empty() && !j.exclude_columns.is_empty() {
+                    return Err(err(
+                        &jat("exclude_columns"),
+                        "use include_columns or exclude_columns, not both".into(),
+                    ));
+                }
+            }
+        }
+        Ok(self.into_model())
+    }
+
+    /// The typed model of a validated file: what validation guaranteed
+    /// (a Kafka transport's brokers and topic, a file sink's path, …) is
+    /// no longer optional.
+    fn into_model(self) -> Config {
+        let s = self.source;
+        let source = match s.kind {
+            SourceKind::Postgres => Source::Postgres(PostgresSource {
+                url: s.url,
+                slot: s.slot,
+                publication: s.publication,
+            }),
+            SourceKind::Sqlserver => Source::SqlServer(SqlServerSource {
+                url: s.url,
+                capture_instances: s.capture_instances,
+                poll_interval_ms: s.poll_interval_ms,
+            }),
+        };
+        let t = self.transport;
+        let transport = match (t.kind, t.brokers, t.topic) {
+            (TransportKind::Kafka, Some(brokers), Some(topic)) => {
+                Transport::Kafka(KafkaTransport {
+                    partitions: t.partitions,
+                    brokers,
+                    topic,
+                    replication_factor: t.replication_factor,
+                    group: t.group.unwrap_or_else(|| format!("skein-{}", self.name)),
+                    max_batch_records: t.max_batch_records,
+                    batch_wait_ms: t.batch_wait_ms,
+                    relay_in_apply: t.relay_in_apply,
+                    kafka_properties: t.kafka_properties,
+                })
+            }
+            // Validation refused a Kafka transport without both.
+            _ => Transport::InProcess(InProcessTransport {
+                partitions: t.partitions,
+                channel_capacity: t.channel_capacity,
+            }),
+        };
+        let k = self.sink;
+        let sink = match (k.kind, k.path, k.brokers, k.topic_prefix) {
+            (SinkKind::File, Some(path), _, _) => Sink::File {
+                path,
+                also_stdout: k.also_stdout,
+            },
+            (SinkKind::Kafka, _, Some(brokers), Some(topic_prefix)) => Sink::Kafka {
+                brokers,
+                topic_prefix,
+                mode: k.mode,
+                kafka_properties: k.kafka_properties,
+            },
+            // Validation refused a file sink without a path and a Kafka
+            // sink without brokers or a prefix.
+            _ => Sink::Stdout,
+        };
+        Config {
+            name: self.name,
+            source,
+            sidecar: self.sidecar,
+            transport,
+            sink,
+            relay_batch: k.relay_batch,
+            events: self.events,
+            state_dir: self.state_dir,
+            extractor: self.extractor,
+            entities: self.entities,
+        }
+    }
+}
+
+pub(crate) fn is_identifier(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
+/// One step of a field path.
+#[derive(Clone, Copy, Debug)]
+enum PathStep {
+    Key(&'static str),
+    Idx(usize),
+}
+
+fn render_path(path: &[PathStep]) -> String {
+    let mut s = String::new();
+    for step in path {
+        match step {
+            PathStep::Key(k) => {
+                if !s.is_empty() {
+                    s.push('.');
+                }
+                s.push_str(k);
+            }
+            PathStep::Idx(i) => s.push_str(&format!("[{i}]")),
+        }
+    }
+    s
+}
+
+/// Finds the 1-based line of a field in block-style YAML by indentation.
+/// Flow mappings (`{ a: 1 }`) resolve to the line they are on. Returns
+/// `None` when the field is not written in the file (e.g. a default).
+fn locate_line(text: &str, path: &[PathStep]) -> Option<usize> {
+    let lines: Vec<&str> = text.lines().collect();
+    // (line index, column of the node's first key)
+    let mut start = 0usize;
+    let mut end = lines.len();
+    let mut found: Option<usize> = None;
+    let significant = |l: &str| {
+        let t = l.trim_start();
+        !t.is_empty() && !t.starts_with('#')
+    };
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    for step in path {
+        let body: Vec<usize> = (start..end).filter(|i| significant(lines[*i])).collect();
+        match step {
+            PathStep::Key(k) => {
+                // Keys of this mapping sit at the smallest key column in range.
+                let key_col = |l: &str| {
+                    let t = l.trim_start();
+                    let dash = t
+                        .strip_prefix("- ")
+                        .map(|r| r.len() - r.trim_start().len() + 2);
+                    indent(l) + dash.unwrap_or(0)
+                };
+                if let Some(f) = found {
+                    if lines[f].contains('{') && lines[f].contains(&format!("{k}:")) {
+                        return Some(f + 1);
+                    }
+                }
+                let col = body.iter().map(|i| key_col(lines[*i])).min()?;
+                let hit = body.iter().copied().find(|i| {
+                    let l = lines[*i];
+                    key_col(l) == col
+                        && l[col..].starts_with(k)
+                        && l[col + k.len()..].trim_start().starts_with(':')
+                })?;
+                let next = body
+                    .iter()
+                    .copied()
+                    .find(|i| *i > hit && key_col(lines[*i]) <= col)
+                    .unwrap_or(end);
+                found = Some(hit);
+                start = hit;
+                end = next;
+            }
+            PathStep::Idx(n) => {
+                let items: Vec<usize> = body
+                    .iter()
+                    .copied()
+                    .filter(|i| lines[*i].trim_start().starts_with("- ") || lines[*i].trim() == "-")
+                    .collect();
+                let col = items.iter().map(|i| indent(lines[*i])).min()?;
+                let items: Vec<usize> = items
+                    .into_iter()
+                    .filter(|i| indent(lines[*i]) == col)
+                    .collect();
+                let hit = *items.get(*n)?;
+                let next = items.get(n + 1).copied().unwrap_or(end);
+                found = Some(hit);
+                start = hit;
+                end = next;
+            }
+        }
+    }
+    found.map(|f| f + 1)
+}
