@@ -17,7 +17,7 @@ use skein_sql::Catalog;
 use skein_transporter::kafka::ResumeAt;
 use skein_transporter::{Inbox, Membership};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{error, info, info_span, warn, Instrument};
 
 use crate::apply::Applier;
 use crate::error::{Error, Result};
@@ -110,23 +110,42 @@ pub async fn run<I: Inbox>(
                 }
                 if last_check.elapsed() > PROGRESS_CHECK {
                     last_check = Instant::now();
-                    recheck_progress(&mut appliers, inbox).await?;
+                    recheck_progress(&mut appliers, inbox).await;
                 }
                 continue;
             }
-            let mut tasks = tokio::task::JoinSet::new();
-            for d in round.deliveries {
+            // Every partition of the round gets its applier first: a
+            // partition that cannot start fails the whole round, each
+            // delivery acknowledged with the reason, before anything is applied.
+            let mut ready = Vec::with_capacity(round.deliveries.len());
+            let mut failed_start = None;
+            for d in &round.deliveries {
                 let p = d.partition;
-                let mut a = match appliers.remove(&p) {
-                    Some(a) => a,
-                    None => match connect(cfg, catalog, &topic, p, kind).await {
-                        Ok(a) => a,
-                        Err(e) => {
-                            inbox.committed(p, Err(format!("the applier could not start: {e}"))).await?;
-                            return Err(e);
-                        }
-                    },
-                };
+                if appliers.contains_key(&p) || failed_start.is_some() {
+                    continue;
+                }
+                match connect(cfg, catalog, &topic, p, kind).await {
+                    Ok(a) => {
+                        appliers.insert(p, a);
+                    }
+                    Err(e) => failed_start = Some((p, e)),
+                }
+            }
+            if let Some((p, e)) = failed_start {
+                error!(partition = p, error = %e, "the applier could not start");
+                let reason = format!("the applier of partition {p} could not start: {e}");
+                for d in &round.deliveries {
+                    inbox.committed(d.partition, Err(reason.clone())).await?;
+                }
+                return Err(e);
+            }
+            for d in round.deliveries {
+                let a = appliers.remove(&d.partition).expect("connected above");
+                ready.push((d, a));
+            }
+            let mut tasks = tokio::task::JoinSet::new();
+            for (d, mut a) in ready {
+                let p = d.partition;
                 tasks.spawn(
                     async move {
                         let r = a.apply(&d).await;
@@ -135,26 +154,40 @@ pub async fn run<I: Inbox>(
                     .instrument(info_span!("partition", partition = p)),
                 );
             }
-            let mut fatal = None;
+            // Join every task before acting on a failure: no batch of the
+            // round is abandoned mid-transaction, every one is acknowledged.
+            let mut fatal: Option<Error> = None;
             while let Some(joined) = tasks.join_next().await {
-                let (p, upper, mut a, r) =
-                    joined.map_err(|e| Error::Data(format!("an apply task failed: {e}")))?;
-                match r {
-                    Ok(_) => inbox.committed(p, Ok(upper)).await?,
+                let (p, upper, mut a, r) = match joined {
+                    Ok(done) => done,
+                    Err(e) => {
+                        // A panicked task: its partition is not acknowledged,
+                        // which stops the extractor (in-process) or leaves
+                        // the records for a restart (Kafka).
+                        fatal.get_or_insert(Error::Data(format!("an apply task failed: {e}")));
+                        continue;
+                    }
+                };
+                let outcome = match r {
+                    Ok(_) => inbox.committed(p, Ok(upper)).await.map_err(Error::from),
                     Err(e) => match after_failure(&e) {
                         AfterFailure::Reseek => {
                             warn!(partition = p, error = %e, "fenced: another applier moved this partition's progress; nothing was written, re-seeking");
-                            inbox.committed(p, Err(e.to_string())).await?;
                             a.reset_progress();
-                            let at = a.checkpoint().await?;
-                            inbox.seek(p, at).await?;
+                            match inbox.committed(p, Err(e.to_string())).await {
+                                Ok(()) => reseek(&mut a, p, inbox).await,
+                                Err(e) => Err(e.into()),
+                            }
                         }
                         AfterFailure::Stop => {
-                            warn!(partition = p, error = %e, "batch failed");
-                            inbox.committed(p, Err(e.to_string())).await?;
-                            fatal.get_or_insert(e);
+                            let _ = inbox.committed(p, Err(e.to_string())).await;
+                            Err(e)
                         }
                     },
+                };
+                if let Err(e) = outcome {
+                    error!(partition = p, error = %e, "batch failed");
+                    fatal.get_or_insert(e);
                 }
                 appliers.insert(p, a);
             }
@@ -169,26 +202,42 @@ pub async fn run<I: Inbox>(
     .await
 }
 
+/// Moves the inbox of partition `p` to the applier's stored progress.
+async fn reseek<I: Inbox>(a: &mut Applier<AnySidecar>, p: u32, inbox: &mut I) -> Result<()> {
+    let at: Option<Checkpoint> = a.checkpoint().await?;
+    inbox.seek(p, at).await?;
+    Ok(())
+}
+
 /// Re-reads the stored progress of every partition whose applier has it
 /// cached; where it moved (a replay rewound it), seeks the inbox there.
+/// Idle housekeeping: a failure is logged and tried again at the next
+/// check, and the next batch meets (and reports) a lasting one.
 async fn recheck_progress<I: Inbox>(
     appliers: &mut HashMap<u32, Applier<AnySidecar>>,
     inbox: &mut I,
-) -> Result<()> {
+) {
     for (p, a) in appliers.iter_mut() {
         let believed = a.cached_progress();
         if believed.is_none() {
             continue;
         }
         a.reset_progress();
-        let stored = a.progress().await?;
+        let stored = match a.progress().await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(partition = p, error = %e, "re-reading progress while idle failed; trying again later");
+                continue;
+            }
+        };
         if moved_under_us(believed, stored) {
-            let at: Option<Checkpoint> = a.checkpoint().await?;
-            warn!(partition = p, believed = ?believed.flatten().map(|x| x.position), now = ?at, "progress moved under this applier (a replay?); re-seeking");
-            inbox.seek(*p, at).await?;
+            warn!(partition = p, believed = ?believed.flatten().map(|x| x.position), now = ?stored.map(|x| x.position), "progress moved under this applier (a replay?); re-seeking");
+            if let Err(e) = reseek(a, *p, inbox).await {
+                warn!(partition = p, error = %e, "re-seeking while idle failed; trying again later");
+                a.reset_progress();
+            }
         }
     }
-    Ok(())
 }
 
 /// An applier for one partition with its own source and sidecar connections.

@@ -172,6 +172,11 @@ struct PartBuf {
 pub(crate) struct Buffers {
     owned: BTreeSet<u32>,
     bufs: BTreeMap<u32, PartBuf>,
+    /// Partitions whose seek failed, with where they must go (the next
+    /// offset; `None`: the beginning). Nothing of theirs is taken until the
+    /// seek succeeds or a new assignment sets their position: taking
+    /// records from the old position could skip some.
+    unseeked: BTreeMap<u32, Option<i64>>,
 }
 
 impl Buffers {
@@ -184,12 +189,16 @@ impl Buffers {
                 for p in ps {
                     self.owned.insert(*p);
                     self.bufs.remove(p);
+                    // The assignment starts the partition at the sidecar's
+                    // progress: no seek is owed any more.
+                    self.unseeked.remove(p);
                 }
             }
             Membership::Revoked(ps) => {
                 for p in ps {
                     self.owned.remove(p);
                     self.bufs.remove(p);
+                    self.unseeked.remove(p);
                 }
             }
         }
@@ -199,7 +208,7 @@ impl Buffers {
     /// owned, and the offset follows what this round already holds (a
     /// record fetched before a seek is not taken twice).
     pub(crate) fn offer(&mut self, p: u32, offset: i64) -> bool {
-        if !self.owned.contains(&p) {
+        if !self.owned.contains(&p) || self.unseeked.contains_key(&p) {
             return false;
         }
         let buf = self.bufs.entry(p).or_insert_with(|| PartBuf {
@@ -221,6 +230,22 @@ impl Buffers {
     /// Forgets what the round holds for `p` (after a seek).
     pub(crate) fn forget(&mut self, p: u32) {
         self.bufs.remove(&p);
+    }
+
+    /// A seek of `p` to `next` failed: hold the partition until it succeeds.
+    pub(crate) fn seek_failed(&mut self, p: u32, next: Option<i64>) {
+        self.bufs.remove(&p);
+        self.unseeked.insert(p, next);
+    }
+
+    /// The seek of `p` went through.
+    pub(crate) fn seeked(&mut self, p: u32) {
+        self.unseeked.remove(&p);
+    }
+
+    /// The seeks still owed.
+    pub(crate) fn owed_seeks(&self) -> Vec<(u32, Option<i64>)> {
+        self.unseeked.iter().map(|(p, n)| (*p, *n)).collect()
     }
 
     /// The round's deliveries, one per partition, in partition order.
@@ -260,6 +285,9 @@ pub struct KafkaInbox {
     max_records: usize,
     wait: Duration,
     buffers: Buffers,
+    /// The poll in flight: kept when `next` is dropped mid-poll (a
+    /// cancelled select), so its records are not lost to the next call.
+    inflight: Option<tokio::task::JoinHandle<Vec<Polled>>>,
 }
 
 impl KafkaInbox {
@@ -309,12 +337,16 @@ impl KafkaInbox {
             max_records: settings.max_records.max(1),
             wait: settings.wait,
             buffers: Buffers::default(),
+            inflight: None,
         })
     }
 
     /// Leaves the group. librdkafka's close blocks until the group knows
     /// (and runs the revocation callback): done off the async workers.
-    pub async fn close(self) {
+    pub async fn close(mut self) {
+        if let Some(poll) = self.inflight.take() {
+            let _ = poll.await;
+        }
         let consumer = self.consumer;
         let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
     }
@@ -326,40 +358,42 @@ impl KafkaInbox {
 
     /// Polls for up to `wait` or `max` records, off the async workers
     /// (librdkafka's poll blocks and runs the rebalance callback).
-    async fn poll(&self) -> Result<Vec<Polled>> {
-        let consumer = self.consumer.clone();
-        let (wait, max) = (self.wait, self.max_records);
-        tokio::task::spawn_blocking(move || {
-            let deadline = Instant::now() + wait;
-            let mut out = vec![];
-            let mut taken = 0usize;
-            while taken < max {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                let polled = consumer.poll(left);
-                out.extend(
-                    consumer
-                        .context()
-                        .take()
-                        .into_iter()
-                        .map(Polled::Membership),
-                );
-                match polled {
-                    None => break,
-                    Some(Err(e)) => warn!(error = %e, "consumer error"),
-                    Some(Ok(m)) => {
-                        out.push(Polled::Message(m.detach()));
-                        taken += 1;
-                    }
-                }
+    async fn poll(&mut self) -> Result<Vec<Polled>> {
+        let poll = match self.inflight.as_mut() {
+            Some(poll) => poll,
+            None => {
+                let consumer = self.consumer.clone();
+                let (wait, max) = (self.wait, self.max_records);
+                self.inflight.insert(tokio::task::spawn_blocking(move || {
+                    poll_phase(&consumer, wait, max)
+                }))
             }
-            out
+        };
+        let polled = poll.await;
+        self.inflight = None;
+        polled.map_err(|e| Error::Consumer {
+            message: format!("the polling task failed: {e}"),
+        })
+    }
+
+    /// Seeks off the async workers (librdkafka's seek blocks).
+    async fn seek_now(&self, partition: u32, next: Option<i64>) -> Result<()> {
+        let consumer = self.consumer.clone();
+        let topic = self.topic.clone();
+        tokio::task::spawn_blocking(move || {
+            consumer.seek(
+                &topic,
+                partition as i32,
+                start_offset(next),
+                Duration::from_secs(10),
+            )
         })
         .await
         .map_err(|e| Error::Consumer {
-            message: format!("the polling task failed: {e}"),
+            message: format!("the seek task failed: {e}"),
+        })?
+        .map_err(|e| Error::Consumer {
+            message: format!("seeking partition {partition} to {next:?}: {e}"),
         })
     }
 
@@ -405,6 +439,38 @@ impl KafkaInbox {
     }
 }
 
+/// Polls for up to `wait` or `max` records (librdkafka's poll blocks and
+/// runs the rebalance callback), returning records and membership changes
+/// in the order they happened.
+fn poll_phase(consumer: &BaseConsumer<InboxContext>, wait: Duration, max: usize) -> Vec<Polled> {
+    let deadline = Instant::now() + wait;
+    let mut out = vec![];
+    let mut taken = 0usize;
+    while taken < max {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let polled = consumer.poll(left);
+        out.extend(
+            consumer
+                .context()
+                .take()
+                .into_iter()
+                .map(Polled::Membership),
+        );
+        match polled {
+            None => break,
+            Some(Err(e)) => warn!(error = %e, "consumer error"),
+            Some(Ok(m)) => {
+                out.push(Polled::Message(m.detach()));
+                taken += 1;
+            }
+        }
+    }
+    out
+}
+
 impl Inbox for KafkaInbox {
     fn topic(&self) -> &str {
         &self.topic
@@ -415,6 +481,17 @@ impl Inbox for KafkaInbox {
     }
 
     async fn next(&mut self) -> Result<Round> {
+        for (p, next) in self.buffers.owed_seeks() {
+            match self.seek_now(p, next).await {
+                Ok(()) => {
+                    info!(partition = p, next = ?next, "owed seek done");
+                    self.buffers.seeked(p);
+                }
+                Err(e) => {
+                    warn!(partition = p, error = %e, "seek still failing; the partition waits")
+                }
+            }
+        }
         let polled = self.poll().await?;
         if let Some(f) = self
             .consumer
@@ -490,9 +567,11 @@ impl Inbox for KafkaInbox {
         Ok(())
     }
 
-    /// Seeks the partition to `to` (its beginning when `None`). A failed
-    /// seek is an error: consuming on from the old offset could skip the
-    /// records between the stored progress and there.
+    /// Seeks the partition to `to` (its beginning when `None`). A seek
+    /// librdkafka refuses now (a partition whose fetch is stopping, say) is
+    /// owed: the partition delivers nothing until it succeeds or a new
+    /// assignment places it, since consuming on from the old offset could
+    /// skip the records between the stored progress and there.
     async fn seek(&mut self, partition: u32, to: Option<Checkpoint>) -> Result<()> {
         self.buffers.forget(partition);
         let next = match to {
@@ -504,23 +583,11 @@ impl Inbox for KafkaInbox {
                 })
             }
         };
-        let consumer = self.consumer.clone();
-        let topic = self.topic.clone();
-        tokio::task::spawn_blocking(move || {
-            consumer.seek(
-                &topic,
-                partition as i32,
-                start_offset(next),
-                Duration::from_secs(10),
-            )
-        })
-        .await
-        .map_err(|e| Error::Consumer {
-            message: format!("the seek task failed: {e}"),
-        })?
-        .map_err(|e| Error::Consumer {
-            message: format!("seeking partition {partition} to {next:?}: {e}"),
-        })
+        if let Err(e) = self.seek_now(partition, next).await {
+            warn!(partition, error = %e, "seek failed; the partition waits until it succeeds or is reassigned");
+            self.buffers.seek_failed(partition, next);
+        }
+        Ok(())
     }
 }
 
@@ -578,6 +645,31 @@ mod tests {
         b.membership(&Membership::Assigned(vec![3]));
         assert!(b.offer(3, 90));
         assert_eq!(deliveries(&mut b), vec![(3, 90, 91)]);
+    }
+
+    #[test]
+    fn a_partition_owing_a_seek_takes_nothing_until_seeked_or_reassigned() {
+        let mut b = Buffers::default();
+        b.membership(&Membership::Assigned(vec![0, 1]));
+        assert!(b.offer(0, 10));
+        b.seek_failed(0, Some(4));
+        assert_eq!(b.owed_seeks(), vec![(0, Some(4))]);
+        assert!(
+            !b.offer(0, 11),
+            "records from the old position would skip 4..10"
+        );
+        assert!(b.offer(1, 3), "other partitions go on");
+        assert_eq!(deliveries(&mut b), vec![(1, 3, 4)]);
+        b.seeked(0);
+        assert!(b.offer(0, 4));
+        assert_eq!(deliveries(&mut b), vec![(0, 4, 5)]);
+        // A reassignment places the partition at the sidecar's progress:
+        // the owed seek is void.
+        b.seek_failed(1, None);
+        b.membership(&Membership::Revoked(vec![1]));
+        b.membership(&Membership::Assigned(vec![1]));
+        assert!(b.owed_seeks().is_empty());
+        assert!(b.offer(1, 0));
     }
 
     #[test]
