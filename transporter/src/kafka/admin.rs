@@ -10,7 +10,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::Message;
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tracing::{info, warn};
 
@@ -220,14 +220,20 @@ pub fn plan_replay(
             .iter()
             .map(|(p, (cur, to))| (*p, (*to, *cur)))
             .collect();
-        read_ranges(&consumer, topic, &ranges, |bytes| {
-            if let Ok(env) = decode(bytes) {
-                if let Some(r) = env.record {
-                    affected.insert((r.entity.clone(), r.root_key.canonical()));
+        read_ranges(
+            &consumer,
+            topic,
+            &ranges,
+            "reading the replayed range",
+            |m| {
+                if let Ok(env) = decode(m.payload().unwrap_or_default()) {
+                    if let Some(r) = env.record {
+                        affected.insert((r.entity.clone(), r.root_key.canonical()));
+                    }
                 }
-            }
-            true
-        })?;
+                true
+            },
+        )?;
     }
     Ok(ReplayPlan {
         members,
@@ -236,53 +242,51 @@ pub fn plan_replay(
     })
 }
 
-/// Reads every partition's records in `[from, end)` and hands each
-/// payload to `each` (which returns `false` to stop that partition).
+/// Reads every partition's records in `[from, end)` (`ranges`: partition →
+/// `(from, end)`) and hands each to `each`, which returns `false` to stop
+/// that partition early.
 fn read_ranges(
     consumer: &BaseConsumer,
     topic: &str,
     ranges: &HashMap<u32, (i64, i64)>,
-    mut each: impl FnMut(&[u8]) -> bool,
+    what: &str,
+    mut each: impl FnMut(&BorrowedMessage<'_>) -> bool,
 ) -> std::result::Result<(), KafkaTransportError> {
     let mut tpl = TopicPartitionList::new();
     let mut pending: HashMap<i32, i64> = HashMap::new();
     for (p, (from, end)) in ranges {
         if from < end {
             tpl.add_partition_offset(topic, *p as i32, Offset::Offset(*from))
-                .map_err(kafka("assigning the replayed range"))?;
+                .map_err(kafka(what))?;
             pending.insert(*p as i32, *end);
         }
     }
     if pending.is_empty() {
         return Ok(());
     }
-    consumer
-        .assign(&tpl)
-        .map_err(kafka("assigning the replayed range"))?;
+    consumer.assign(&tpl).map_err(kafka(what))?;
     let deadline = Instant::now() + Duration::from_secs(60);
     while !pending.is_empty() {
         if Instant::now() > deadline {
             return Err(KafkaTransportError::Refused(format!(
-                "reading the replayed range timed out (partitions {:?} unfinished)",
+                "{what} timed out (partitions {:?} unfinished)",
                 pending.keys()
             )));
         }
         let Some(m) = consumer.poll(Duration::from_millis(500)) else {
             continue;
         };
-        let m = m.map_err(kafka("reading the replayed range"))?;
+        let m = m.map_err(kafka(what))?;
         let (p, off) = (m.partition(), m.offset());
         let Some(end) = pending.get(&p).copied() else {
             continue;
         };
-        let go_on = off < end && each(m.payload().unwrap_or_default());
+        let go_on = off < end && each(&m);
         if !go_on || off + 1 >= end {
             pending.remove(&p);
         }
     }
-    consumer
-        .unassign()
-        .map_err(kafka("releasing the replayed range"))?;
+    consumer.unassign().map_err(kafka(what))?;
     Ok(())
 }
 
@@ -300,46 +304,12 @@ fn first_at_or_after(
         .filter_map(|(p, o)| end.get(p).map(|e| (*p, (*o, *e))))
         .collect();
     let mut out = HashMap::new();
-    let mut tpl = TopicPartitionList::new();
-    let mut pending: HashMap<i32, i64> = HashMap::new();
-    for (p, (o, e)) in &ranges {
-        if o < e {
-            tpl.add_partition_offset(topic, *p as i32, Offset::Offset(*o))
-                .map_err(kafka("reading record timestamps"))?;
-            pending.insert(*p as i32, *e);
-        }
-    }
-    if pending.is_empty() {
-        return Ok(out);
-    }
-    consumer
-        .assign(&tpl)
-        .map_err(kafka("reading record timestamps"))?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !pending.is_empty() {
-        if Instant::now() > deadline {
-            return Err(KafkaTransportError::Refused(format!(
-                "reading timestamps timed out (partitions {:?})",
-                pending.keys()
-            )));
-        }
-        let Some(m) = consumer.poll(Duration::from_millis(500)) else {
-            continue;
-        };
-        let m = m.map_err(kafka("reading record timestamps"))?;
-        let p = m.partition();
-        let Some(&e) = pending.get(&p) else {
-            continue;
-        };
+    read_ranges(consumer, topic, &ranges, "reading record timestamps", |m| {
         if m.timestamp().to_millis().is_some_and(|t| t >= ms) {
-            out.insert(p as u32, m.offset());
-            pending.remove(&p);
-        } else if m.offset() + 1 >= e {
-            pending.remove(&p);
+            out.insert(m.partition() as u32, m.offset());
+            return false;
         }
-    }
-    consumer
-        .unassign()
-        .map_err(kafka("releasing the timestamp look-up"))?;
+        true
+    })?;
     Ok(out)
 }
