@@ -426,3 +426,87 @@ async fn unknown_config_field_names_field_and_line() {
         "{err}"
     );
 }
+
+/// An applier whose partition cannot start (here: its sidecar connection
+/// is refused by the role's connection limit) stops the pipeline with that
+/// reason, not only with the extractor's "the applier is gone".
+#[tokio::test(flavor = "multi_thread")]
+async fn an_applier_that_cannot_start_says_why() {
+    let name = "applier_cannot_start";
+    let role = "skein_t_conn_limited";
+    let admin = connect(&admin_url()).await;
+    let exists = admin
+        .query_opt("SELECT 1 FROM pg_roles WHERE rolname = $1", &[&role])
+        .await
+        .unwrap()
+        .is_some();
+    if !exists {
+        // Not a superuser: the connection limit does not bind superusers.
+        let _ = admin
+            .batch_execute(&format!("CREATE ROLE {role} LOGIN"))
+            .await;
+    }
+    // The migrate, the relay and one applier fit; the second applier
+    // (4 partitions) does not.
+    admin
+        .batch_execute(&format!("ALTER ROLE {role} CONNECTION LIMIT 3"))
+        .await
+        .unwrap();
+    let base = admin_url();
+    let (scheme_user, host) = base.rsplit_once('/').unwrap().0.split_once('@').unwrap();
+    let scheme = scheme_user.split("//").next().unwrap();
+    let sidecar_url = format!("{scheme}//{role}@{host}/skein_t_{name}");
+    let env = Env::new(name, |y| {
+        y.replace(
+            "sidecar:\n  schema: skein",
+            &format!("sidecar:\n  url: {sidecar_url}\n  schema: skein"),
+        )
+    })
+    .await;
+    env.exec(&format!(
+        "GRANT CONNECT, CREATE ON DATABASE skein_t_{name} TO {role};"
+    ))
+    .await;
+    let mut children: Vec<std::process::Child> = env
+        .processes()
+        .iter()
+        .map(|p| {
+            let log = std::fs::File::create(env.dir.join(format!("{p}.err"))).unwrap();
+            env.command(&[p])
+                .stdout(std::process::Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // The applier is the last process (`run`, or `apply` beside `extract`).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut id = 0;
+    let status = loop {
+        if let Some(s) = children.last_mut().unwrap().try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the applier did not stop"
+        );
+        id += 1;
+        // Until the slot exists rows are not seen: keep writing.
+        env.exec(&format!(
+            "INSERT INTO customer (id, name) VALUES ({id}, 'c{id}');"
+        ))
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let applier = env.processes().last().unwrap();
+    let err = std::fs::read_to_string(env.dir.join(format!("{applier}.err"))).unwrap();
+    for mut c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("could not start") && err.contains("too many connections"),
+        "the error must name the cause:\n{err}"
+    );
+}
