@@ -505,3 +505,67 @@ async fn topic_with_too_few_partitions_is_refused() {
         );
     }
 }
+
+/// One source change that touches two roots gives two records at the same
+/// source position: a root key update (delete of the old key, create of the
+/// new) and a child moved to another parent. Over Kafka with one partition
+/// and one record per applier batch, the second record must not be dropped
+/// as "already applied" (issue 10, defect 1).
+#[tokio::test(flavor = "multi_thread")]
+async fn records_sharing_a_source_change_are_all_applied() {
+    let env = Env::new_kafka("shared_change", |y| {
+        y.replace(
+            "  partitions: 4\n",
+            "  partitions: 1\n  max_batch_records: 1\n",
+        )
+    })
+    .await;
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada'), (2, 'Grace'), (3, 'Edsger');
+         INSERT INTO address (id, customer_id, kind, city) VALUES (20, 2, 'work', 'Arlington');",
+    )
+    .await;
+    env.step(&mut run, "UPDATE customer SET id = 99 WHERE id = 1;")
+        .await;
+    env.step(
+        &mut run,
+        "UPDATE address SET customer_id = 3 WHERE id = 20;",
+    )
+    .await;
+    run.stop(&env);
+    let events: Vec<(String, String)> = env
+        .events()
+        .iter()
+        .map(|e| {
+            (
+                e["subject"].as_str().unwrap().to_string(),
+                e["action"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let has = |s: &str, a: &str| events.iter().any(|(es, ea)| es == s && ea == a);
+    assert!(has("customer.1", "deleted"), "{events:?}");
+    assert!(
+        has("customer.99", "created"),
+        "the new key's create: {events:?}"
+    );
+    // The move republishes both customers: 2 without the address, 3 with it.
+    let updates_of = |s: &str| {
+        events
+            .iter()
+            .filter(|(es, ea)| es == s && ea == "updated")
+            .count()
+    };
+    assert!(
+        updates_of("customer.2") >= 1,
+        "the old parent's update: {events:?}"
+    );
+    assert_eq!(
+        updates_of("customer.3"),
+        1,
+        "the new parent's update: {events:?}"
+    );
+    assert_exactly_once(&env).await;
+}

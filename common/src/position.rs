@@ -310,16 +310,20 @@ impl TryFrom<String> for SourcePosition {
     }
 }
 
-/// The position of one change inside the source's order: the commit position
-/// of its transaction, then its sequence inside that transaction.
+/// The position of one change record inside the source's order: the commit
+/// position of its transaction, then its sequence inside that transaction.
 ///
-/// Every change of one transaction shares `commit`, so "drop what is at or
-/// before the stored position" never splits a transaction.
+/// Every record of one transaction shares `commit`, so "drop what is at or
+/// before the stored position" never splits a transaction. `seq` is unique
+/// per record (not per source change: one change touching two roots gives
+/// two records, two numbers), so the records of one partition are strictly
+/// increasing and an applier can tell each from the ones it applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ChangePosition {
     /// Commit (end) position of the transaction, as stored for the marker.
     pub commit: SourcePosition,
-    /// Order of the change within its transaction, from 0.
+    /// Order of the record within its transaction, from 0; never below the
+    /// index of the source change it came from.
     pub seq: u32,
 }
 

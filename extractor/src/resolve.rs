@@ -296,9 +296,34 @@ impl BatchResolution {
 
     /// The change records, in source order; a key with a NULL column or a
     /// repeat within one change is left out.
+    ///
+    /// Every record of a transaction gets its own `seq`, increasing in
+    /// record order: one change can touch several roots (a root key update
+    /// is a delete and a create, a moved child touches two parents, a table
+    /// can be in two entities), and an applier that drops what is at or
+    /// before its last applied position must not take the second root's
+    /// record for the first's. A tracked change that yields no record still
+    /// takes a number, so a record's `seq` is never below the change's
+    /// index (what earlier versions stored).
     pub fn finish(self, plans: &[EntityPlan], txs: &[TxMeta]) -> Vec<ChangeRecord> {
         let mut out = vec![];
-        for (ti, seq, table, keys) in self.slots {
+        let mut cur_tx: Option<usize> = None;
+        let mut cur_change: Option<u32> = None;
+        let mut next_seq = 0u32;
+        let mut change_emitted = false;
+        for (ti, change, table, keys) in self.slots {
+            if cur_tx != Some(ti) {
+                cur_tx = Some(ti);
+                cur_change = None;
+                next_seq = 0;
+            } else if cur_change != Some(change) && !change_emitted {
+                // The change before produced no record: it still takes a number.
+                next_seq += 1;
+            }
+            if cur_change != Some(change) {
+                cur_change = Some(change);
+                change_emitted = false;
+            }
             let tx = &txs[ti];
             let mut seen: Vec<(usize, Op, RootKey)> = vec![];
             for (pi, op, key) in keys {
@@ -313,11 +338,13 @@ impl BatchResolution {
                     op,
                     position: ChangePosition {
                         commit: tx.position,
-                        seq,
+                        seq: next_seq,
                     },
                     tx_id: tx.tx_id,
                     commit_time_micros: tx.commit_time_micros,
                 });
+                next_seq += 1;
+                change_emitted = true;
             }
         }
         out
@@ -483,6 +510,74 @@ entities:
                 ("public.customer".into(), 1, key("1")),
             ]
         );
+    }
+
+    #[test]
+    fn every_record_of_a_transaction_has_its_own_increasing_seq() {
+        // A key update (two roots), a moved address (two roots), a change
+        // that resolves to nothing (NULL join), then a plain update.
+        let p = vec![plan()];
+        let idx = table_index(&p);
+        let t = |n: &str| ("public".to_string(), n.to_string());
+        let tx = vec![
+            RawChange {
+                table: t("customer"),
+                op: Op::Update,
+                old: Some(img(&[("id", Some("1"))])),
+                new: Some(img(&[("id", Some("99"))])),
+            },
+            RawChange {
+                table: t("address"),
+                op: Op::Update,
+                old: Some(img(&[("id", Some("20")), ("customer_id", Some("2"))])),
+                new: Some(img(&[("id", Some("20")), ("customer_id", Some("3"))])),
+            },
+            RawChange {
+                table: t("address"),
+                op: Op::Insert,
+                old: None,
+                new: Some(img(&[("id", Some("21")), ("customer_id", None)])),
+            },
+            RawChange {
+                table: t("customer"),
+                op: Op::Update,
+                old: None,
+                new: Some(img(&[("id", Some("4"))])),
+            },
+        ];
+        let r = BatchResolution::new(&p, &idx, [tx.as_slice(), tx[3..].as_ref()]).unwrap();
+        let meta = |c: u64| TxMeta {
+            position: skein_common::PgLsn(c).into(),
+            tx_id: c,
+            commit_time_micros: 0,
+        };
+        let recs = r.finish(&p, &[meta(10), meta(20)]);
+        let got: Vec<(u64, u32, RootKey)> = recs
+            .iter()
+            .map(|r| {
+                (
+                    r.position.commit.numeric() as u64,
+                    r.position.seq,
+                    r.root_key.clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (10, 0, key("1")),
+                (10, 1, key("99")),
+                (10, 2, key("2")),
+                (10, 3, key("3")),
+                // The NULL-join insert took 4 without a record.
+                (10, 5, key("4")),
+                // The next transaction starts again from 0.
+                (20, 0, key("4")),
+            ]
+        );
+        // Positions are unique and increasing: an applier's "at or before
+        // what I applied" never swallows a sibling record.
+        assert!(recs.windows(2).all(|w| w[0].position < w[1].position));
     }
 
     #[test]
