@@ -70,6 +70,11 @@ enum Command {
         /// Rewind even though appliers of the group are running.
         #[arg(long)]
         force_while_running: bool,
+        /// Allow moving a partition forward, past records it never applied
+        /// (after retention deleted them: `skein apply` says when). Those
+        /// changes are lost to the outbox.
+        #[arg(long)]
+        continue_with_data_loss: bool,
     },
     /// Lag per stage as JSON: slot vs WAL end, progress vs log end per partition, outbox depth.
     Status,
@@ -183,9 +188,15 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
                 from_time,
                 republish,
                 force_while_running,
+                continue_with_data_loss,
             } => {
                 let from = cmd::replay::from(offset, from_time)?;
-                cmd::replay::replay(cfg, partition, from, republish, force_while_running).await
+                let how = cmd::replay::How {
+                    republish,
+                    force_while_running,
+                    continue_with_data_loss,
+                };
+                cmd::replay::replay(cfg, partition, from, how).await
             }
             Command::Sql { what } => match what {
                 SqlWhat::Source { dialect, apply } => {

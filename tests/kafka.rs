@@ -28,7 +28,10 @@ struct Msg {
 }
 
 /// Every message of `topic` (all partitions, from the beginning), in
-/// (partition, offset) order; stops once nothing arrived for 2 s.
+/// (partition, offset) order. Reads at least up to each partition's high
+/// watermark as it was when the read began (a busy machine can pause a
+/// broker longer than any idle window), then stops once nothing arrived
+/// for 2 s.
 fn read_topic(topic: &str) -> Vec<Msg> {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", kafka_brokers_required())
@@ -49,9 +52,23 @@ fn read_topic(topic: &str) -> Vec<Msg> {
             .unwrap();
     }
     c.assign(&tpl).unwrap();
+    let mut ends: HashMap<i32, i64> = (0..parts)
+        .map(|p| {
+            let (_, high) = c
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .unwrap();
+            (p, high)
+        })
+        .filter(|(_, high)| *high > 0)
+        .collect();
     let mut out: Vec<(i32, i64, Msg)> = vec![];
     let mut idle_since = Instant::now();
-    while idle_since.elapsed() < Duration::from_secs(2) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !ends.is_empty() || idle_since.elapsed() < Duration::from_secs(2) {
+        assert!(
+            Instant::now() < deadline,
+            "reading {topic}: partitions {ends:?} not read to their end"
+        );
         match c.poll(Duration::from_millis(200)) {
             Some(Ok(m)) => {
                 let headers = m
@@ -67,6 +84,12 @@ fn read_topic(topic: &str) -> Vec<Msg> {
                             .collect()
                     })
                     .unwrap_or_default();
+                if ends
+                    .get(&m.partition())
+                    .is_some_and(|e| m.offset() + 1 >= *e)
+                {
+                    ends.remove(&m.partition());
+                }
                 out.push((
                     m.partition(),
                     m.offset(),
@@ -568,4 +591,132 @@ async fn records_sharing_a_source_change_are_all_applied() {
         "the new parent's update: {events:?}"
     );
     assert_exactly_once(&env).await;
+}
+
+/// The change topic no longer holds the offset an applier's progress
+/// points at (the topic was recreated, or retention deleted the records):
+/// the applier stops with a data-loss error naming the partition, instead
+/// of treating the log's records as already applied and dropping every
+/// new change silently (issue 10, defect 2).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_offset_the_log_no_longer_holds_is_data_loss() {
+    let env = Env::new_kafka("log_gap", |y| {
+        y.replace("  partitions: 4\n", "  partitions: 1\n")
+    })
+    .await;
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada'), (2, 'Grace');",
+    )
+    .await;
+    run.stop(&env);
+    // As if the topic had been recreated: the progress is past its end.
+    env.exec("UPDATE skein.progress SET position = position + 1000;")
+        .await;
+    let run = env.start().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (3, 'Edsger');")
+        .await;
+    let status = run.wait_exit(Duration::from_secs(30));
+    let log = env.log();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("data loss") && log.contains("partition 0") && log.contains("skein replay"),
+        "the applier must stop naming the partition and the way on:\n{log}"
+    );
+    // The way on it names works: read the log from its start again.
+    env.skein_ok(&[
+        "replay",
+        "--partition",
+        "0",
+        "--offset",
+        "0",
+        "--force-while-running",
+    ]);
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let subjects: Vec<String> = env
+        .events()
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {}",
+                e["subject"].as_str().unwrap(),
+                e["action"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        subjects,
+        [
+            "customer.1 created",
+            "customer.2 created",
+            "customer.3 created"
+        ]
+    );
+}
+
+/// `skein replay` moves a partition forward only when told the skipped
+/// records are given up (`--continue-with-data-loss`), the way on that a
+/// data-loss error after retention names.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_moves_forward_only_with_data_loss_accepted() {
+    let env = Env::new_kafka("forward_loss", |y| {
+        y.replace("  partitions: 4\n", "  partitions: 1\n")
+    })
+    .await;
+    let dynamic = [("SKEIN_INSTANCE_ID", "")];
+    let mut run = env.start_with(&dynamic).await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    run.stop(&env);
+    // Offset 1: a change the appliers have not applied yet.
+    let mut only_extract = Running { children: vec![] };
+    env.spawn_into(&mut only_extract, "extract", &[]);
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'Grace');")
+        .await;
+    // Wait until the record is in the topic (log end 2).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while status(&env)["partitions"][0]["log_end"].as_i64() != Some(2) {
+        assert!(std::time::Instant::now() < deadline, "{}", env.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    only_extract.stop(&env);
+    let out = env.skein(&["replay", "--partition", "0", "--offset", "2"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--continue-with-data-loss"), "{err}");
+    env.skein_ok(&[
+        "replay",
+        "--partition",
+        "0",
+        "--offset",
+        "2",
+        "--continue-with-data-loss",
+    ]);
+    assert_eq!(status(&env)["partitions"][0]["progress"], 2);
+    let mut run = env.start_with(&dynamic).await;
+    env.step(
+        &mut run,
+        "UPDATE customer SET name = 'Ada L.' WHERE id = 1;",
+    )
+    .await;
+    run.stop(&env);
+    let subjects: Vec<String> = env
+        .events()
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {}",
+                e["subject"].as_str().unwrap(),
+                e["action"].as_str().unwrap()
+            )
+        })
+        .collect();
+    // Customer 2's change was given up; later changes flow.
+    assert_eq!(subjects, ["customer.1 created", "customer.1 updated"]);
 }

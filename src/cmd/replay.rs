@@ -36,15 +36,29 @@ fn parse_time_ms(s: &str) -> anyhow::Result<i64> {
     Ok(t.timestamp_millis())
 }
 
+/// The flags of `skein replay`.
+pub struct How {
+    /// Clear the replayed aggregates' versions so each publishes again.
+    pub republish: bool,
+    /// Rewind although appliers run (they are fenced and re-seek).
+    pub force_while_running: bool,
+    /// Allow moving a partition forward past records never applied.
+    pub continue_with_data_loss: bool,
+}
+
 /// Plans the rewind from Kafka, refuses while appliers run (unless
 /// forced), then rewinds in one sidecar transaction.
 pub async fn replay(
     cfg: Config,
     partition: Option<u32>,
     from: ReplayFrom,
-    republish: bool,
-    force_while_running: bool,
+    how: How,
 ) -> anyhow::Result<()> {
+    let How {
+        republish,
+        force_while_running,
+        continue_with_data_loss,
+    } = how;
     let k = kafka(&cfg)?;
     let (kc, topic, group) = (kafka_client(k), k.topic.clone(), k.group.clone());
     let parts: Vec<u32> = match partition {
@@ -64,7 +78,15 @@ pub async fn replay(
     let plan = {
         let (group, topic) = (group.clone(), topic.clone());
         tokio::task::spawn_blocking(move || {
-            plan_replay(&kc, &group, &topic, &current, from, republish)
+            plan_replay(
+                &kc,
+                &group,
+                &topic,
+                &current,
+                from,
+                republish,
+                continue_with_data_loss,
+            )
         })
         .await??
     };
@@ -97,6 +119,14 @@ pub async fn replay(
         .await?;
     for (p, (cur, to)) in &plan.targets {
         println!("partition {p}: progress {cur} -> {to}");
+        if to > cur {
+            warn!(
+                partition = p,
+                from = cur,
+                to,
+                "progress moved forward: the records in between are never applied"
+            );
+        }
     }
     if republish {
         println!(

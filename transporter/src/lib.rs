@@ -47,6 +47,14 @@ pub enum Error {
     /// The Kafka consumer failed (subscribe, rebalance, seek).
     #[error("kafka consumer: {message}")]
     Consumer { message: String },
+    /// The change topic no longer holds records an applier has not applied
+    /// (deleted by retention, or the topic was recreated).
+    #[error(
+        "data loss: topic `{topic}` no longer holds the records after the applied progress: \
+         {message}. Changes in that range were not applied: the aggregates they touched \
+         publish again only when they change again"
+    )]
+    DataLoss { topic: String, message: String },
 }
 
 impl Error {

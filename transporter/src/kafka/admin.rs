@@ -131,7 +131,7 @@ pub enum ReplayFrom {
 pub struct ReplayPlan {
     /// Active members of the appliers' group (`id (host)`).
     pub members: Vec<String>,
-    /// Per partition to rewind: its current progress and the target offset.
+    /// Per partition to move: its current progress and the target offset.
     pub targets: BTreeMap<u32, (i64, i64)>,
     /// `(entity, canonical root key)` of every record in the rewound
     /// ranges (only when asked for: `--republish`).
@@ -142,7 +142,8 @@ pub struct ReplayPlan {
 /// offset of every partition in `current` (its progress: the next offset,
 /// `None` when never consumed, which is left alone), and with `republish`
 /// the aggregates in the rewound ranges. Refuses to move a partition
-/// forward. Blocking.
+/// forward unless `forward_with_data_loss` (the records in between are then
+/// never applied). Blocking.
 pub fn plan_replay(
     config: &ClientConfig,
     group: &str,
@@ -150,6 +151,7 @@ pub fn plan_replay(
     current: &BTreeMap<u32, Option<i64>>,
     from: ReplayFrom,
     republish: bool,
+    forward_with_data_loss: bool,
 ) -> std::result::Result<ReplayPlan, KafkaTransportError> {
     let mut c = config.clone();
     c.set("group.id", format!("{group}-replay-{}", std::process::id()))
@@ -204,13 +206,13 @@ pub fn plan_replay(
         let Some(&to) = from_offsets.get(p) else {
             continue;
         };
-        if to > cur {
+        if to > cur && !forward_with_data_loss {
             return Err(KafkaTransportError::Refused(format!(
                 "partition {p}: offset {to} is after the progress {cur}; replay only rewinds \
-                 (moving forward would skip records)"
+                 (moving forward skips records: add --continue-with-data-loss to accept that)"
             )));
         }
-        if to < cur {
+        if to != cur {
             targets.insert(*p, (cur, to));
         }
     }

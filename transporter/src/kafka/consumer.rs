@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -56,6 +57,9 @@ struct InboxContext {
     resume: ResumeAt,
     membership: Mutex<Vec<Membership>>,
     failed: Mutex<Option<String>>,
+    /// Where each partition was last placed (assignment or seek), to say
+    /// which offset the log no longer holds.
+    placed: Mutex<HashMap<u32, Option<i64>>>,
 }
 
 impl InboxContext {
@@ -70,6 +74,19 @@ impl InboxContext {
             .lock()
             .map(|mut v| std::mem::take(&mut *v))
             .unwrap_or_default()
+    }
+
+    fn placed_at(&self, p: u32, next: Option<i64>) {
+        if let Ok(mut m) = self.placed.lock() {
+            m.insert(p, next);
+        }
+    }
+
+    fn placed(&self, p: u32) -> Option<i64> {
+        self.placed
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&p).copied().flatten())
     }
 
     fn fail(&self, message: String) {
@@ -113,6 +130,7 @@ impl ConsumerContext for InboxContext {
                 match (self.resume)(&parts) {
                     Ok(progress) => {
                         for (p, next) in &progress {
+                            self.placed_at(*p, *next);
                             if let Err(e) = tpl.set_partition_offset(
                                 &self.topic,
                                 *p as i32,
@@ -273,6 +291,8 @@ impl Buffers {
 enum Polled {
     Membership(Membership),
     Message(OwnedMessage),
+    /// A partition's offset is outside the log (`auto.offset.reset=error`).
+    OutOfRange(String),
 }
 
 /// One member of the appliers' consumer group, as an [`Inbox`].
@@ -308,7 +328,12 @@ impl KafkaInbox {
         c.set("group.id", &settings.group)
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest");
+            // A partition is always assigned at an explicit offset (the
+            // sidecar's progress, or the beginning when it has none). When
+            // the log no longer holds that offset (retention, a recreated
+            // topic) librdkafka must not jump elsewhere silently: the
+            // error surfaces and `next` reports data loss.
+            .set("auto.offset.reset", "error");
         if let Some(id) = &settings.instance_id {
             c.set("group.instance.id", id);
         }
@@ -317,6 +342,7 @@ impl KafkaInbox {
             resume,
             membership: Mutex::new(vec![]),
             failed: Mutex::new(None),
+            placed: Mutex::new(HashMap::new()),
         };
         let consumer: BaseConsumer<InboxContext> = c
             .create_with_context(ctx)
@@ -397,6 +423,67 @@ impl KafkaInbox {
         })
     }
 
+    /// The data-loss error for an offset the log no longer holds: which
+    /// owned partition stands where, against the log's start and end.
+    async fn out_of_range(&self, reason: &str) -> Error {
+        let consumer = self.consumer.clone();
+        let topic = self.topic.clone();
+        let owned = self.buffers.owned();
+        let report = tokio::task::spawn_blocking(move || {
+            let positions = consumer.position().ok();
+            owned
+                .iter()
+                .map(|p| {
+                    // After the error librdkafka's position is invalid:
+                    // fall back to where the partition was placed.
+                    let at = positions
+                        .as_ref()
+                        .and_then(|tpl| tpl.find_partition(&topic, *p as i32))
+                        .and_then(|e| e.offset().to_raw())
+                        .filter(|o| *o >= 0)
+                        .or_else(|| consumer.context().placed(*p));
+                    let marks = consumer
+                        .fetch_watermarks(&topic, *p as i32, Duration::from_secs(10))
+                        .ok();
+                    (*p, at, marks)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        let lost: Vec<String> = report
+            .iter()
+            .filter(|(_, at, marks)| match (at, marks) {
+                (Some(at), Some((low, high))) => at < low || at > high,
+                _ => true,
+            })
+            .map(|(p, at, marks)| {
+                let (low, high) = marks
+                    .map(|(l, h)| (l.to_string(), h.to_string()))
+                    .unwrap_or(("?".into(), "?".into()));
+                let behind = matches!((at, marks), (Some(a), Some((l, _))) if a < l);
+                let at = at.map(|a| a.to_string()).unwrap_or_else(|| "?".into());
+                if behind {
+                    format!(
+                        "partition {p}: progress at offset {at}, but retention deleted the log \
+                         up to {low}. To accept the loss: `skein replay --partition {p} \
+                         --offset {low} --continue-with-data-loss`"
+                    )
+                } else {
+                    format!(
+                        "partition {p}: progress at offset {at}, the log holds {low}..{high} \
+                         (was the topic recreated?). To read it from its start: `skein replay \
+                         --partition {p} --offset {low}`"
+                    )
+                }
+            })
+            .collect();
+        Error::DataLoss {
+            topic: self.topic.clone(),
+            message: format!("{reason}; {}", lost.join("; ")),
+        }
+    }
+
     /// Sends an undecodable record to the dead-letter topic, with the
     /// reason and where it came from in headers.
     async fn dead_letter(&self, m: &OwnedMessage, problem: &str) -> Result<()> {
@@ -461,6 +548,10 @@ fn poll_phase(consumer: &BaseConsumer<InboxContext>, wait: Duration, max: usize)
         );
         match polled {
             None => break,
+            Some(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::AutoOffsetReset) => {
+                out.push(Polled::OutOfRange(e.to_string()));
+                break;
+            }
             Some(Err(e)) => warn!(error = %e, "consumer error"),
             Some(Ok(m)) => {
                 out.push(Polled::Message(m.detach()));
@@ -512,6 +603,7 @@ impl Inbox for KafkaInbox {
                     continue;
                 }
                 Polled::Message(m) => m,
+                Polled::OutOfRange(reason) => return Err(self.out_of_range(&reason).await),
             };
             let p = m.partition() as u32;
             if !self.buffers.offer(p, m.offset()) {
@@ -583,6 +675,7 @@ impl Inbox for KafkaInbox {
                 })
             }
         };
+        self.consumer.context().placed_at(partition, next);
         if let Err(e) = self.seek_now(partition, next).await {
             warn!(partition, error = %e, "seek failed; the partition waits until it succeeds or is reassigned");
             self.buffers.seek_failed(partition, next);
