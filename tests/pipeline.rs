@@ -510,3 +510,55 @@ async fn an_applier_that_cannot_start_says_why() {
         "the error must name the cause:\n{err}"
     );
 }
+
+/// Every event is a state that existed: an aggregate's tables are read in
+/// one snapshot, so a transaction committed while a batch is being
+/// hydrated shows in all of its tables or in none (issue 10, defect 5).
+/// The applier is stalled between reading the root and its children while
+/// a transaction changes both; the invariant is that the customer's name
+/// always equals its address line's text.
+#[tokio::test(flavor = "multi_thread")]
+async fn hydration_reads_one_snapshot() {
+    let env = Env::new("snapshot", same).await;
+    let stall = [(
+        "SKEIN_FAILPOINT",
+        "applier.hydrate.between_tables:1:sleep=4000",
+    )];
+    let mut run = env.start_with(&stall).await;
+    env.exec(
+        "BEGIN;
+         INSERT INTO customer (id, name) VALUES (1, 'v1');
+         INSERT INTO address (id, customer_id, kind, city) VALUES (10, 1, 'home', 'Oslo');
+         INSERT INTO address_line (address_id, line_no, text) VALUES (10, 1, 'v1');
+         COMMIT;",
+    )
+    .await;
+    // Wait until the applier stalls mid-hydration, then change both tables.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !env
+        .log()
+        .contains("applier.hydrate.between_tables` reached")
+    {
+        assert!(std::time::Instant::now() < deadline, "{}", env.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    env.exec(
+        "BEGIN;
+         UPDATE customer SET name = 'v2' WHERE id = 1;
+         UPDATE address_line SET text = 'v2' WHERE address_id = 10;
+         COMMIT;",
+    )
+    .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let events = env.events();
+    assert!(!events.is_empty());
+    for e in &events {
+        let d = &e["data"];
+        let line = &d["addresses"][0]["lines"][0]["text"];
+        assert_eq!(
+            &d["name"], line,
+            "an event shows a state that never existed: {d}"
+        );
+    }
+}

@@ -139,14 +139,43 @@ impl<S: Sidecar> Applier<S> {
         for (i, c) in consolidated.iter().enumerate() {
             by_entity.entry(c.entity.as_str()).or_default().push(i);
         }
+        let by_entity: Vec<(&str, Vec<usize>)> = by_entity.into_iter().collect();
+        let keys_of = |idxs: &[usize]| -> Vec<_> {
+            idxs.iter().map(|i| consolidated[*i].key.clone()).collect()
+        };
+        // Every aggregate of the batch is read in one snapshot of the
+        // source: a transaction committed meanwhile shows in all of an
+        // aggregate's tables or in none, so every event is a state that
+        // existed. The snapshot ends (commits or, after an error, rolls
+        // back) before anything else can fail.
+        self.source.begin_snapshot().await?;
+        let mut read = Ok(Vec::with_capacity(by_entity.len()));
+        for (entity, idxs) in &by_entity {
+            let Some(h) = self.hydrators.get(*entity) else {
+                read = Err(Error::Data(format!("record for unknown entity `{entity}`")));
+                break;
+            };
+            match h.hydrate(&mut self.source, &keys_of(idxs)).await {
+                Ok(current) => {
+                    if let Ok(r) = read.as_mut() {
+                        r.push(current);
+                    }
+                }
+                Err(e) => {
+                    read = Err(e);
+                    break;
+                }
+            }
+        }
+        self.source.end_snapshot().await?;
+        let hydrated: Vec<_> = read?;
         let mut outbox = vec![];
         let mut versions = vec![];
-        for (entity, idxs) in by_entity {
+        for ((entity, idxs), current) in by_entity.into_iter().zip(hydrated) {
             let Some(h) = self.hydrators.get(entity) else {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
             };
-            let keys: Vec<_> = idxs.iter().map(|i| consolidated[*i].key.clone()).collect();
-            let current = h.hydrate(&mut self.source, &keys).await?;
+            let keys = keys_of(&idxs);
             let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
             let stored = self.sidecar.versions(entity, &canon).await?;
             for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {

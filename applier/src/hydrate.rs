@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use crate::connect_postgres;
 use serde_json::{Map, Value};
 use skein_common::config::{self, Cardinality, Config, EntityConfig, TableNode};
+use skein_common::failpoint::failpoint;
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{Dialect, RootKey};
 use skein_sql::postgres::{hydrate_sql, referenced_columns};
@@ -29,11 +30,20 @@ pub const SESSION_SETTINGS: &str =
 /// The source database as the applier sees it: something that answers
 /// "the latest state of these aggregates".
 pub enum Source {
-    /// PostgreSQL, with [`SESSION_SETTINGS`] applied.
-    Postgres(tokio_postgres::Client),
+    /// PostgreSQL, with [`SESSION_SETTINGS`] applied; `in_snapshot` while a
+    /// batch's read-only snapshot transaction is open.
+    Postgres {
+        /// The connection.
+        client: tokio_postgres::Client,
+        /// A snapshot transaction is open.
+        in_snapshot: bool,
+    },
     /// SQL Server (boxed: the TDS client carries its buffers).
     SqlServer(Box<MssqlClient>),
 }
+
+/// Opens the snapshot a batch's hydration reads in.
+pub const BEGIN_SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
 
 impl Source {
     /// Connects to the configured source for reading state.
@@ -45,7 +55,10 @@ impl Source {
                     .batch_execute(SESSION_SETTINGS)
                     .await
                     .map_err(db("setting the session formats"))?;
-                Ok(Source::Postgres(client))
+                Ok(Source::Postgres {
+                    client,
+                    in_snapshot: false,
+                })
             }
             config::Source::SqlServer(ms) => Ok(Source::SqlServer(Box::new(
                 MssqlClient::connect(ms.url.expose()).await?,
@@ -56,8 +69,53 @@ impl Source {
     /// The dialect.
     pub fn dialect(&self) -> Dialect {
         match self {
-            Source::Postgres(_) => Dialect::Postgres,
+            Source::Postgres { .. } => Dialect::Postgres,
             Source::SqlServer(_) => Dialect::SqlServer,
+        }
+    }
+
+    /// Starts the one snapshot a batch's hydration reads: PostgreSQL,
+    /// a `REPEATABLE READ READ ONLY` transaction (one left open by a batch
+    /// that failed midway is rolled back first, never read on). SQL Server:
+    /// nothing yet — each table is read by its own statement at the
+    /// database's isolation level (the README says what that gives).
+    pub async fn begin_snapshot(&mut self) -> Result<()> {
+        match self {
+            Source::Postgres {
+                client,
+                in_snapshot,
+            } => {
+                let sql = if *in_snapshot {
+                    format!("ROLLBACK; {BEGIN_SNAPSHOT}")
+                } else {
+                    BEGIN_SNAPSHOT.to_string()
+                };
+                client
+                    .batch_execute(&sql)
+                    .await
+                    .map_err(db("opening the hydration snapshot"))?;
+                *in_snapshot = true;
+                Ok(())
+            }
+            Source::SqlServer(_) => Ok(()),
+        }
+    }
+
+    /// Ends the batch's snapshot (it only read: committing releases it).
+    pub async fn end_snapshot(&mut self) -> Result<()> {
+        match self {
+            Source::Postgres {
+                client,
+                in_snapshot,
+            } => {
+                client
+                    .batch_execute("COMMIT")
+                    .await
+                    .map_err(db("closing the hydration snapshot"))?;
+                *in_snapshot = false;
+                Ok(())
+            }
+            Source::SqlServer(_) => Ok(()),
         }
     }
 }
@@ -167,7 +225,7 @@ impl EntityHydrator {
             )));
         }
         match source {
-            Source::Postgres(client) => self.hydrate_pg(client, keys).await,
+            Source::Postgres { client, .. } => self.hydrate_pg(client, keys).await,
             Source::SqlServer(client) => self.hydrate_mssql(client, keys).await,
         }
     }
@@ -194,6 +252,9 @@ impl EntityHydrator {
             .await?;
         let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
         for (i, sql) in self.sql.iter().enumerate() {
+            if i == 1 {
+                failpoint("applier.hydrate.between_tables");
+            }
             let node = &self.nodes[i];
             let rows = client
                 .query(&format!("hydrating {}", node.qualified()), sql, &[])
@@ -293,6 +354,10 @@ impl EntityHydrator {
             .collect();
         let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
         for (i, sql) in self.sql.iter().enumerate() {
+            if i == 1 {
+                // Tests stall here to commit a change between two tables' reads.
+                failpoint("applier.hydrate.between_tables");
+            }
             let rows = client
                 .query(sql.as_str(), &params)
                 .await
