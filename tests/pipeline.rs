@@ -562,3 +562,44 @@ async fn hydration_reads_one_snapshot() {
         );
     }
 }
+
+/// `skein marker reset` past unread changes with `--continue-with-data-loss`
+/// records the loss in the sidecar too (a batch row with `has_data_loss`),
+/// not only in the marker, even when the pipeline starts only later (as
+/// after a crash right after the reset) (issue 10, defect 9).
+#[tokio::test(flavor = "multi_thread")]
+async fn marker_reset_past_changes_records_the_loss_in_the_sidecar() {
+    let env = Env::new("reset_loss", same).await;
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    run.stop(&env);
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'skipped');")
+        .await;
+    let out = env.skein(&["marker", "reset", "--latest"]);
+    assert!(!out.status.success(), "a forward reset needs the flag");
+    env.skein_ok(&["marker", "reset", "--latest", "--continue-with-data-loss"]);
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (3, 'after');",
+    )
+    .await;
+    run.stop(&env);
+    let subjects: Vec<String> = env
+        .events()
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(subjects, vec!["customer.1", "customer.3"]);
+    let lossy: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM skein.batch WHERE has_data_loss", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(lossy >= 1, "the skipped range is recorded in the sidecar");
+}

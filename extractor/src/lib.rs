@@ -245,12 +245,16 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
             )
             .await?;
         let has_data_loss = stored.as_ref().is_some_and(|m| m.has_data_loss) || start.data_loss;
-        let mut pending_loss = start.data_loss;
+        // A loss not yet carried to the sidecar: found now, or recorded in
+        // the marker by a reset (or a start that crashed before sending).
+        let mut pending_loss =
+            start.data_loss || stored.as_ref().is_some_and(|m| m.loss_unreported);
         if stored.as_ref().map(|m| m.position) != Some(start.position) {
             let m = Marker {
                 position: start.position,
                 has_data_loss,
                 updated_at: marker::now_stamp(),
+                loss_unreported: pending_loss,
             };
             if start.data_loss {
                 markers.reset(&m)?;
@@ -291,10 +295,13 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
                     .await?;
             }
             failpoint("extractor.after_ack_before_marker");
+            // Whatever loss was pending went with this batch (a batch is
+            // sent whenever one is pending), acknowledged.
             markers.store(&Marker {
                 position: upper,
                 has_data_loss,
                 updated_at: marker::now_stamp(),
+                loss_unreported: false,
             })?;
             source.confirm(upper);
             pending_loss = false;

@@ -20,6 +20,12 @@ pub struct Marker {
     pub has_data_loss: bool,
     /// When it was written (`seconds.micros` since the Unix epoch).
     pub updated_at: String,
+    /// A loss (a `marker reset` or `continue_with_data_loss` past changes
+    /// not read) that no acknowledged batch has carried to the sidecar yet:
+    /// the next batch carries it, also after a crash in between. Absent in
+    /// markers written before it existed.
+    #[serde(default)]
+    pub loss_unreported: bool,
 }
 
 /// Where the marker lives.
@@ -150,6 +156,7 @@ mod tests {
 
     fn m(p: u64) -> Marker {
         Marker {
+            loss_unreported: false,
             position: PgLsn(p).into(),
             has_data_loss: false,
             updated_at: now_stamp(),

@@ -55,6 +55,8 @@ pub async fn reset(
         position,
         has_data_loss: old.as_ref().is_some_and(|m| m.has_data_loss) || skips,
         updated_at: now_stamp(),
+        // The sidecar learns of the skipped changes from the next batch.
+        loss_unreported: old.as_ref().is_some_and(|m| m.loss_unreported) || skips,
     };
     store.reset(&m)?;
     tracing::warn!(from = ?old.map(|m| m.position.to_string()), to = %position, "marker reset");
