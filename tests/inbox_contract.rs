@@ -25,7 +25,7 @@ use skein_transporter::{Batch, Delivery, InProcess, Inbox, Membership, Transport
 
 const PARTITIONS: u32 = 2;
 
-fn rec(key: u32, commit: u64, seq: u32) -> ChangeRecord {
+fn rec(key: u32, commit: u64, seq: u64) -> ChangeRecord {
     ChangeRecord {
         entity: "customer".into(),
         root_key: RootKey(vec![Some(key.to_string())]),
@@ -44,7 +44,9 @@ fn rec(key: u32, commit: u64, seq: u32) -> ChangeRecord {
 fn batches() -> Vec<Batch> {
     (0..3u64)
         .map(|b| {
-            let records = (0..24u32).map(|i| rec(i % 12, 100 * (b + 1), i)).collect();
+            let records = (0..24u32)
+                .map(|i| rec(i % 12, 100 * (b + 1), u64::from(i)))
+                .collect();
             Batch {
                 seq: b + 1,
                 lower: PgLsn(100 * b).into(),

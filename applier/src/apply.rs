@@ -167,8 +167,11 @@ impl<S: Sidecar> Applier<S> {
                 }
             }
         }
-        self.source.end_snapshot().await?;
+        // A hydration error is the cause; ending the snapshot after it can
+        // only fail for the same reason (a lost connection).
+        let ended = self.source.end_snapshot().await;
         let hydrated: Vec<_> = read?;
+        ended?;
         let mut outbox = vec![];
         let mut versions = vec![];
         for ((entity, idxs), current) in by_entity.into_iter().zip(hydrated) {

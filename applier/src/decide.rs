@@ -192,7 +192,7 @@ mod tests {
 
     use super::*;
 
-    fn rec(key: &str, op: Op, seq: u32) -> ChangeRecord {
+    fn rec(key: &str, op: Op, seq: u64) -> ChangeRecord {
         ChangeRecord {
             entity: "customer".into(),
             root_key: RootKey(vec![Some(key.into())]),
@@ -203,7 +203,7 @@ mod tests {
                 seq,
             },
             tx_id: 1,
-            commit_time_micros: i64::from(seq),
+            commit_time_micros: seq as i64,
         }
     }
 
@@ -228,7 +228,7 @@ mod tests {
         let recs: Vec<_> = ops
             .iter()
             .enumerate()
-            .map(|(i, op)| rec("1", *op, i as u32))
+            .map(|(i, op)| rec("1", *op, i as u64))
             .collect();
         let c = consolidate(&recs);
         assert_eq!(c.len(), 1);

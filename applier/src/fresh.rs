@@ -93,14 +93,14 @@ mod tests {
 
     use super::*;
 
-    fn pos(commit: u64, seq: u32) -> ChangePosition {
+    fn pos(commit: u64, seq: u64) -> ChangePosition {
         ChangePosition {
             commit: PgLsn(commit).into(),
             seq,
         }
     }
 
-    fn rec(key: &str, commit: u64, seq: u32) -> ChangeRecord {
+    fn rec(key: &str, commit: u64, seq: u64) -> ChangeRecord {
         ChangeRecord {
             entity: "customer".into(),
             root_key: RootKey(vec![Some(key.into())]),
@@ -139,7 +139,7 @@ mod tests {
         Progress { position, source }
     }
 
-    fn keys(f: &Fresh) -> Vec<(u64, u32)> {
+    fn keys(f: &Fresh) -> Vec<(u64, u64)> {
         match f {
             Fresh::Apply { records, .. } => records
                 .iter()

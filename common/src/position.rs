@@ -322,9 +322,11 @@ impl TryFrom<String> for SourcePosition {
 pub struct ChangePosition {
     /// Commit (end) position of the transaction, as stored for the marker.
     pub commit: SourcePosition,
-    /// Order of the record within its transaction, from 0; never below the
-    /// index of the source change it came from.
-    pub seq: u32,
+    /// Order of the record within its transaction: the source change's
+    /// index, then the record within the change, in bits (see the
+    /// extractor's resolver); never below the change index earlier versions
+    /// stored. Below 2^63.
+    pub seq: u64,
 }
 
 #[cfg(test)]

@@ -486,7 +486,7 @@ impl PgSource {
                 commit_time_micros: t.commit_time_micros,
             })
             .collect();
-        Ok(res.finish(&self.plans, &meta))
+        res.finish(&self.plans, &meta)
     }
 
     /// The catalog read at connect time.

@@ -206,11 +206,40 @@ pub struct LookupGroup {
     /// tuple by its 1-based position here.
     pub values: Vec<Vec<Option<String>>>,
     slots: Vec<usize>,
+    /// The candidate number (within its change) of each tuple.
+    cands: Vec<u32>,
 }
 
-/// One change being resolved: (transaction index, sequence, table,
-/// resolved (plan, op, key)s).
-type Slot = (usize, u32, String, Vec<(usize, Op, RootKey)>);
+/// One change being resolved: (transaction index, change index, table,
+/// resolved (plan, op, key, candidate)s).
+type Slot = (usize, u32, String, Vec<(usize, Op, RootKey, u32)>);
+
+/// Bits of a record's `seq` that number the candidates of one change (the
+/// root keys and lookup tuples its images give, in order).
+const CANDIDATE_BITS: u32 = 12;
+/// Bits of a record's `seq` that rank the roots one candidate resolved to
+/// (more than one only through a join on non-unique columns).
+const RANK_BITS: u32 = 12;
+
+/// A record's `seq`: the change's index in its transaction, then the
+/// candidate within the change, then the rank within the candidate. Taken
+/// from the change images only, never from what a lookup answered, so a
+/// batch read again after a crash numbers every record it had before the
+/// same, whatever rows the lookups find now. Below 2^56: fits the sidecar's
+/// `int8` and the change topic's `long`.
+fn record_seq(change: u32, candidate: u32, rank: usize) -> Result<u64> {
+    if candidate >= 1 << CANDIDATE_BITS || rank >= 1 << RANK_BITS {
+        return Err(Error::Decode(format!(
+            "change {change} of a transaction resolves to too many roots (candidate {candidate}, rank {rank}); \
+             skein numbers at most {} candidates of {} roots each per change",
+            1u32 << CANDIDATE_BITS,
+            1u32 << RANK_BITS
+        )));
+    }
+    Ok((u64::from(change) << (CANDIDATE_BITS + RANK_BITS))
+        | (u64::from(candidate) << RANK_BITS)
+        | rank as u64)
+}
 
 /// A batch being resolved: what the images gave, and what waits for a
 /// lookup. Dialect-free: the source only runs the lookups.
@@ -237,6 +266,8 @@ impl BatchResolution {
                 let Some(targets) = by_table.get(&ch.table) else {
                     continue;
                 };
+                // Numbers every root key and lookup tuple of the change.
+                let mut cand = 0u32;
                 for (pi, node) in targets {
                     let res = resolve(&plans[*pi], *node, ch.op, ch.old.as_ref(), ch.new.as_ref())?;
                     let slot = out.slots.len();
@@ -246,7 +277,12 @@ impl BatchResolution {
                             ti,
                             seq,
                             table,
-                            keys.into_iter().map(|(op, k)| (*pi, op, k)).collect(),
+                            keys.into_iter()
+                                .map(|(op, k)| {
+                                    cand += 1;
+                                    (*pi, op, k, cand - 1)
+                                })
+                                .collect(),
                         )),
                         Resolved::Lookup { node, values } => {
                             out.slots.push((ti, seq, table, vec![]));
@@ -256,12 +292,15 @@ impl BatchResolution {
                                     node,
                                     values: vec![],
                                     slots: vec![],
+                                    cands: vec![],
                                 });
                                 out.groups.len() - 1
                             });
                             for v in values {
                                 out.groups[g].values.push(v);
                                 out.groups[g].slots.push(slot);
+                                out.groups[g].cands.push(cand);
+                                cand += 1;
                             }
                         }
                     }
@@ -284,12 +323,12 @@ impl BatchResolution {
         let g = &self.groups[group];
         let plan = g.plan;
         for (ord, key) in rows {
-            let slot = usize::try_from(ord - 1)
+            let (slot, cand) = usize::try_from(ord - 1)
                 .ok()
-                .and_then(|i| g.slots.get(i))
-                .copied()
+                .and_then(|i| g.slots.get(i).zip(g.cands.get(i)))
+                .map(|(s, c)| (*s, *c))
                 .ok_or_else(|| Error::Decode(format!("root lookup answered unknown row {ord}")))?;
-            self.slots[slot].3.push((plan, Op::Update, key));
+            self.slots[slot].3.push((plan, Op::Update, key, cand));
         }
         Ok(())
     }
@@ -297,58 +336,70 @@ impl BatchResolution {
     /// The change records, in source order; a key with a NULL column or a
     /// repeat within one change is left out.
     ///
-    /// Every record of a transaction gets its own `seq`, increasing in
-    /// record order: one change can touch several roots (a root key update
-    /// is a delete and a create, a moved child touches two parents, a table
-    /// can be in two entities), and an applier that drops what is at or
-    /// before its last applied position must not take the second root's
-    /// record for the first's. A tracked change that yields no record still
-    /// takes a number, so a record's `seq` is never below the change's
-    /// index (what earlier versions stored).
-    pub fn finish(self, plans: &[EntityPlan], txs: &[TxMeta]) -> Vec<ChangeRecord> {
+    /// Every record of a transaction gets its own `seq` ([`record_seq`]),
+    /// increasing in output order: one change can touch several roots (a
+    /// root key update is a delete and a create, a moved child touches two
+    /// parents, a table can be in two entities), and an applier that drops
+    /// what is at or before its last applied position must not take the
+    /// second root's record for the first's.
+    pub fn finish(self, plans: &[EntityPlan], txs: &[TxMeta]) -> Result<Vec<ChangeRecord>> {
         let mut out = vec![];
-        let mut cur_tx: Option<usize> = None;
-        let mut cur_change: Option<u32> = None;
-        let mut next_seq = 0u32;
-        let mut change_emitted = false;
-        for (ti, change, table, keys) in self.slots {
-            if cur_tx != Some(ti) {
-                cur_tx = Some(ti);
-                cur_change = None;
-                next_seq = 0;
-            } else if cur_change != Some(change) && !change_emitted {
-                // The change before produced no record: it still takes a number.
-                next_seq += 1;
-            }
-            if cur_change != Some(change) {
-                cur_change = Some(change);
-                change_emitted = false;
+        // The records of one change, gathered from its slots, then numbered.
+        let mut change: Vec<(u32, ChangeRecord)> = vec![];
+        let mut current: Option<(usize, u32)> = None;
+        for (ti, ci, table, keys) in self.slots {
+            if current != Some((ti, ci)) {
+                flush_change(&mut change, &mut out)?;
+                current = Some((ti, ci));
             }
             let tx = &txs[ti];
             let mut seen: Vec<(usize, Op, RootKey)> = vec![];
-            for (pi, op, key) in keys {
+            for (pi, op, key, cand) in keys {
                 if key.has_null() || seen.contains(&(pi, op, key.clone())) {
                     continue;
                 }
                 seen.push((pi, op, key.clone()));
-                out.push(ChangeRecord {
-                    entity: plans[pi].entity.clone(),
-                    root_key: key,
-                    table: table.clone(),
-                    op,
-                    position: ChangePosition {
-                        commit: tx.position,
-                        seq: next_seq,
+                change.push((
+                    cand,
+                    ChangeRecord {
+                        entity: plans[pi].entity.clone(),
+                        root_key: key,
+                        table: table.clone(),
+                        op,
+                        position: ChangePosition {
+                            commit: tx.position,
+                            seq: u64::from(ci) << (CANDIDATE_BITS + RANK_BITS),
+                        },
+                        tx_id: tx.tx_id,
+                        commit_time_micros: tx.commit_time_micros,
                     },
-                    tx_id: tx.tx_id,
-                    commit_time_micros: tx.commit_time_micros,
-                });
-                next_seq += 1;
-                change_emitted = true;
+                ));
             }
         }
-        out
+        flush_change(&mut change, &mut out)?;
+        Ok(out)
     }
+}
+
+/// Numbers the records of one change (all sharing the change's base
+/// `seq`) by candidate, then by root key within a candidate, and appends
+/// them in that order.
+fn flush_change(change: &mut Vec<(u32, ChangeRecord)>, out: &mut Vec<ChangeRecord>) -> Result<()> {
+    change.sort_by(|(ca, a), (cb, b)| {
+        ca.cmp(cb)
+            .then_with(|| a.root_key.canonical().cmp(&b.root_key.canonical()))
+            .then_with(|| a.entity.cmp(&b.entity))
+    });
+    let mut rank = 0usize;
+    let mut last_cand = None;
+    for (cand, mut r) in change.drain(..) {
+        rank = if last_cand == Some(cand) { rank + 1 } else { 0 };
+        last_cand = Some(cand);
+        let ci = u32::try_from(r.position.seq >> (CANDIDATE_BITS + RANK_BITS)).unwrap_or(u32::MAX);
+        r.position.seq = record_seq(ci, cand, rank)?;
+        out.push(r);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -498,16 +549,24 @@ entities:
             tx_id: c,
             commit_time_micros: 0,
         };
-        let recs = r.finish(&p, &[meta(10), meta(20)]);
-        let got: Vec<(String, u32, RootKey)> = recs
+        let recs = r.finish(&p, &[meta(10), meta(20)]).unwrap();
+        let got: Vec<(String, u64, RootKey)> = recs
             .iter()
             .map(|r| (r.table.clone(), r.position.seq, r.root_key.clone()))
             .collect();
         assert_eq!(
             got,
             vec![
-                ("public.address_line".into(), 0, key("5")),
-                ("public.customer".into(), 1, key("1")),
+                (
+                    "public.address_line".into(),
+                    record_seq(0, 0, 0).unwrap(),
+                    key("5")
+                ),
+                (
+                    "public.customer".into(),
+                    record_seq(1, 0, 0).unwrap(),
+                    key("1")
+                ),
             ]
         );
     }
@@ -551,8 +610,9 @@ entities:
             tx_id: c,
             commit_time_micros: 0,
         };
-        let recs = r.finish(&p, &[meta(10), meta(20)]);
-        let got: Vec<(u64, u32, RootKey)> = recs
+        let recs = r.finish(&p, &[meta(10), meta(20)]).unwrap();
+        let seq = |change, cand| record_seq(change, cand, 0).unwrap();
+        let got: Vec<(u64, u64, RootKey)> = recs
             .iter()
             .map(|r| {
                 (
@@ -565,19 +625,66 @@ entities:
         assert_eq!(
             got,
             vec![
-                (10, 0, key("1")),
-                (10, 1, key("99")),
-                (10, 2, key("2")),
-                (10, 3, key("3")),
-                // The NULL-join insert took 4 without a record.
-                (10, 5, key("4")),
-                // The next transaction starts again from 0.
-                (20, 0, key("4")),
+                (10, seq(0, 0), key("1")),
+                (10, seq(0, 1), key("99")),
+                (10, seq(1, 0), key("2")),
+                (10, seq(1, 1), key("3")),
+                // Change 2 (the NULL-join insert) gave no record.
+                (10, seq(3, 0), key("4")),
+                // The next transaction starts again from change 0.
+                (20, seq(0, 0), key("4")),
             ]
         );
         // Positions are unique and increasing: an applier's "at or before
         // what I applied" never swallows a sibling record.
         assert!(recs.windows(2).all(|w| w[0].position < w[1].position));
+    }
+
+    #[test]
+    fn a_record_s_seq_does_not_depend_on_what_lookups_answer() {
+        // A line moved between addresses (two lookups), then a customer
+        // update. Read once with both parents found, once (after a crash,
+        // the old address deleted meanwhile) with one: the customer's
+        // record keeps its seq, so an applier that applied the first two
+        // records of the first read does not drop it as applied.
+        let p = vec![plan()];
+        let idx = table_index(&p);
+        let t = |n: &str| ("public".to_string(), n.to_string());
+        let tx = vec![
+            RawChange {
+                table: t("address_line"),
+                op: Op::Update,
+                old: Some(img(&[("address_id", Some("20")), ("line_no", Some("1"))])),
+                new: Some(img(&[("address_id", Some("21")), ("line_no", Some("1"))])),
+            },
+            RawChange {
+                table: t("customer"),
+                op: Op::Update,
+                old: None,
+                new: Some(img(&[("id", Some("5"))])),
+            },
+        ];
+        let meta = [TxMeta {
+            position: skein_common::PgLsn(10).into(),
+            tx_id: 10,
+            commit_time_micros: 0,
+        }];
+        let read = |answers: Vec<(i64, RootKey)>| {
+            let mut r = BatchResolution::new(&p, &idx, [tx.as_slice()]).unwrap();
+            r.answer(0, answers).unwrap();
+            r.finish(&p, &meta).unwrap()
+        };
+        let first = read(vec![(1, key("2")), (2, key("3"))]);
+        let again = read(vec![(2, key("3"))]);
+        let pos = |recs: &[ChangeRecord], k: &str| {
+            recs.iter().find(|r| r.root_key == key(k)).unwrap().position
+        };
+        assert_eq!(pos(&first, "5"), pos(&again, "5"));
+        assert_eq!(pos(&first, "3"), pos(&again, "3"));
+        assert!(pos(&first, "2") < pos(&first, "3") && pos(&first, "3") < pos(&first, "5"));
+        // Answers arriving in another order number the same.
+        let swapped = read(vec![(2, key("3")), (1, key("2"))]);
+        assert_eq!(first, swapped);
     }
 
     #[test]

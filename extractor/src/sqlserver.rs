@@ -759,7 +759,7 @@ impl MssqlSource {
                 }
             })
             .collect();
-        Ok(res.finish(&self.plans, &meta))
+        res.finish(&self.plans, &meta)
     }
 }
 

@@ -11,7 +11,7 @@ use skein_common::config::Config;
 use skein_transporter::kafka::{dlq_topic, ensure_topic, InboxSettings, KafkaInbox};
 use tokio_util::sync::CancellationToken;
 
-use super::{kafka, kafka_client, make_sink, shutdown_token, sidecar};
+use super::{kafka, kafka_client, make_sink, relay_failure, shutdown_token, sidecar, watch_relay};
 
 /// Runs the applier until a signal or an error.
 pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<()> {
@@ -25,7 +25,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     }
     let owned: Owned = Arc::default();
     let relay_cancel = CancellationToken::new();
-    let relay = if k.relay_in_apply {
+    let mut relay = if k.relay_in_apply {
         Some(tokio::spawn(run_relay(
             sidecar(&cfg).await?,
             make_sink(&cfg)?,
@@ -46,8 +46,15 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     };
     let resume = resume_from_sidecar(&cfg, &topic, tokio::runtime::Handle::current());
     let mut inbox = KafkaInbox::new(&kc, settings, resume)?;
-    let result = skein_applier::run(&cfg, &catalog, &mut inbox, Some(owned), cancel).await;
+    let applying = skein_applier::run(&cfg, &catalog, &mut inbox, Some(owned), cancel.clone());
+    let (result, relay_died) = match relay.as_mut() {
+        Some(relay) => watch_relay(applying, relay, &cancel).await,
+        None => (applying.await, None),
+    };
     inbox.close().await;
+    if let Some(ended) = relay_died {
+        return Err(relay_failure(ended));
+    }
     relay_cancel.cancel();
     if let Some(r) = relay {
         r.await??;

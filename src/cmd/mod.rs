@@ -58,6 +58,45 @@ pub fn kafka_client(k: &KafkaTransport) -> ClientConfig {
     skein_transporter::kafka::client_config(&k.brokers, &k.kafka_properties)
 }
 
+/// The relay task of `skein run` / `skein apply`.
+pub type RelayTask = tokio::task::JoinHandle<skein_applier::Result<()>>;
+
+/// Runs `work` (the extractor, or the applier loop) while watching the
+/// relay: a relay that ends before it is told to (a sink that refuses an
+/// event, a panic) cancels `cancel`, so the pipeline stops instead of going
+/// on without publishing, and is returned to be reported first.
+pub async fn watch_relay<T>(
+    work: impl std::future::Future<Output = T>,
+    relay: &mut RelayTask,
+    cancel: &CancellationToken,
+) -> (
+    T,
+    Option<Result<skein_applier::Result<()>, tokio::task::JoinError>>,
+) {
+    tokio::pin!(work);
+    tokio::select! {
+        done = &mut work => (done, None),
+        ended = &mut *relay => {
+            error!("the relay stopped; stopping the pipeline");
+            cancel.cancel();
+            (work.await, Some(ended))
+        }
+    }
+}
+
+/// The error of a relay that ended before it was told to.
+pub fn relay_failure(
+    ended: Result<skein_applier::Result<()>, tokio::task::JoinError>,
+) -> anyhow::Error {
+    match ended {
+        Ok(Ok(())) => {
+            anyhow::anyhow!("the relay stopped unexpectedly; outbox rows are no longer sent")
+        }
+        Ok(Err(e)) => anyhow::Error::from(e).context("the relay stopped"),
+        Err(e) => anyhow::Error::from(e).context("the relay task failed"),
+    }
+}
+
 /// A token cancelled by SIGTERM or SIGINT. The handlers are installed
 /// before this returns, so a signal during start-up also stops cleanly.
 pub fn shutdown_token() -> CancellationToken {

@@ -9,7 +9,7 @@ use skein_extractor::{AnySource, SledMarkerStore};
 use skein_transporter::InProcess;
 use tokio_util::sync::CancellationToken;
 
-use super::{make_sink, shutdown_token, sidecar};
+use super::{make_sink, relay_failure, shutdown_token, sidecar, watch_relay};
 
 /// Runs until SIGTERM/SIGINT or an error; stops in order: the extractor
 /// ends → the inbox closes and the appliers drain → the relay drains.
@@ -33,16 +33,21 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         })
     };
     let relay_cancel = CancellationToken::new();
-    let relay = tokio::spawn(run_relay(
+    let mut relay = tokio::spawn(run_relay(
         sidecar(&cfg).await?,
         make_sink(&cfg)?,
         cfg.relay_batch,
         RelayScope::All,
         relay_cancel.clone(),
     ));
-    let result = skein_extractor::run(&cfg, &mut source, &markers, &transport, cancel).await;
+    let extraction = skein_extractor::run(&cfg, &mut source, &markers, &transport, cancel.clone());
+    let (result, relay_died) = watch_relay(extraction, &mut relay, &cancel).await;
     drop(transport);
     let applied = appliers.await;
+    if let Some(ended) = relay_died {
+        // The relay is the cause of the stop: report it first.
+        return Err(relay_failure(ended));
+    }
     relay_cancel.cancel();
     let relayed = relay.await;
     // An applier that failed is the cause of the extractor's "applier

@@ -291,7 +291,7 @@ mod tests {
 
     use super::*;
 
-    fn rec(key: &str, seq: u32) -> ChangeRecord {
+    fn rec(key: &str, seq: u64) -> ChangeRecord {
         ChangeRecord {
             entity: "customer".into(),
             root_key: RootKey(vec![Some(key.into())]),
@@ -321,7 +321,7 @@ mod tests {
         for p in &parts {
             assert_eq!(p.upper, SourcePosition::Pg(PgLsn(100)));
             for k in 0..20 {
-                let seqs: Vec<u32> = p
+                let seqs: Vec<u64> = p
                     .records
                     .iter()
                     .filter(|r| r.root_key.0[0].as_deref() == Some(&k.to_string()))

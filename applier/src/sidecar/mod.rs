@@ -118,7 +118,7 @@ pub fn source_position(commit: Option<String>, seq: Option<i64>) -> Result<Optio
         commit: c
             .parse()
             .map_err(|e| Error::Data(format!("progress.source_commit: {e}")))?,
-        seq: u32::try_from(s)
+        seq: u64::try_from(s)
             .map_err(|_| Error::Data(format!("progress.source_seq {s} out of range")))?,
     }))
 }
@@ -219,6 +219,28 @@ pub trait Sidecar {
         partitions: Option<&[i32]>,
         sink: &mut dyn Sink,
     ) -> impl Future<Output = Result<usize>> + Send;
+}
+
+/// Hands the rows a relay step claimed to the sink (which may block: file
+/// sync, broker acknowledgement). A failure names the outbox rows that were
+/// not delivered, so the operator can find them.
+pub(crate) fn send_claimed(
+    sink: &mut dyn Sink,
+    ids: &[i64],
+    events: &[crate::sink::SinkEvent],
+) -> Result<()> {
+    tokio::task::block_in_place(|| sink.send(events)).map_err(|e| match e {
+        Error::Sink { message, source } => Error::Sink {
+            message: format!(
+                "outbox rows {}..={} ({} events) not delivered: {message}",
+                ids.first().copied().unwrap_or_default(),
+                ids.last().copied().unwrap_or_default(),
+                ids.len()
+            ),
+            source,
+        },
+        other => other,
+    })
 }
 
 /// Whether a sidecar URL points at PostgreSQL (`postgres://`,

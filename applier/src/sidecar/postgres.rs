@@ -103,7 +103,7 @@ impl Sidecar for PgSidecar {
         let position = b.position.to_string();
         let expected_text = b.expected.map(|e| e.to_string());
         let (lower, upper) = (b.lower.to_string(), b.upper.to_string());
-        let src_seq: Option<i64> = b.source.map(|p| i64::from(p.seq));
+        let src_seq: Option<i64> = b.source.map(|p| i64::try_from(p.seq).unwrap_or(i64::MAX));
         // 1. Fence: move progress only from where this applier started.
         let moved = match &expected_text {
             Some(expected) => tx
@@ -285,8 +285,7 @@ impl Sidecar for PgSidecar {
                 event: r.get(2),
             })
             .collect();
-        // A sink may block (file sync, broker acknowledgement).
-        tokio::task::block_in_place(|| sink.send(&events))?;
+        super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");
         tx.execute(&sc::relay_mark_sql(s), &[&ids])
             .await

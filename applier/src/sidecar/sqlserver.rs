@@ -91,7 +91,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
     let partition = b.partition as i32;
     let position = b.position.to_string();
     let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
-    let src_seq: Option<i64> = b.source.map(|p| i64::from(p.seq));
+    let src_seq: Option<i64> = b.source.map(|p| i64::try_from(p.seq).unwrap_or(i64::MAX));
 
     // 1. Fence: move progress only from where this applier started.
     let moved = match b.expected {
@@ -389,8 +389,7 @@ impl Sidecar for MssqlSidecar {
                 event: event.clone(),
             });
         }
-        // A sink may block (file sync, broker acknowledgement).
-        tokio::task::block_in_place(|| sink.send(&events))?;
+        super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");
         tx.execute(
             "marking outbox rows dequeued",

@@ -212,6 +212,20 @@ pub fn plan_replay(
                  (moving forward skips records: add --continue-with-data-loss to accept that)"
             )));
         }
+        if to > cur {
+            // Only past what the log no longer holds: records it still has
+            // are never given up.
+            let (low, _) = consumer
+                .fetch_watermarks(topic, *p as i32, Duration::from_secs(10))
+                .map_err(kafka(format!("reading the watermarks of partition {p}")))?;
+            if to > low.max(cur) {
+                return Err(KafkaTransportError::Refused(format!(
+                    "partition {p}: the log still holds offsets {}..{to}; moving forward gives up \
+                     only records it no longer holds: use --offset {low} at most",
+                    low.max(cur)
+                )));
+            }
+        }
         if to != cur {
             targets.insert(*p, (cur, to));
         }

@@ -118,7 +118,10 @@ pub fn encode(e: &Envelope) -> Vec<u8> {
                     "commit".into(),
                     Value::String(r.position.commit.to_string()),
                 ),
-                ("seq".into(), Value::Long(i64::from(r.position.seq))),
+                (
+                    "seq".into(),
+                    Value::Long(i64::try_from(r.position.seq).unwrap_or(i64::MAX)),
+                ),
                 ("tx_id".into(), Value::Long(r.tx_id as i64)),
                 (
                     "commit_time_micros".into(),
@@ -227,7 +230,7 @@ fn decode_record(v: Value) -> std::result::Result<ChangeRecord, String> {
         Some(Value::Enum(_, s)) if s == "delete" => Op::Delete,
         other => return Err(format!("field `op`: unexpected {other:?}")),
     };
-    let seq = u32::try_from(long("seq")?).map_err(|_| "field `seq` out of range".to_string())?;
+    let seq = u64::try_from(long("seq")?).map_err(|_| "field `seq` out of range".to_string())?;
     Ok(ChangeRecord {
         entity: string("entity")?,
         root_key: RootKey(root_key),
