@@ -603,3 +603,40 @@ async fn marker_reset_past_changes_records_the_loss_in_the_sidecar() {
         .get(0);
     assert!(lossy >= 1, "the skipped range is recorded in the sidecar");
 }
+
+/// A `skein relay` started beside the pipeline's own relay stands by
+/// instead of relaying the same outbox out of order (issue 10, defect 7);
+/// `skein status` shows who holds the relay lease.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_relay_stands_by() {
+    let env = Env::new("second_relay", same).await;
+    let mut run = env.start().await;
+    env.spawn_into(&mut run, "relay", &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !env.log().contains("standing by") {
+        run.check_alive(&env);
+        assert!(std::time::Instant::now() < deadline, "{}", env.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in 1..=20 {
+        env.exec(&format!(
+            "INSERT INTO customer (id, name) VALUES ({i}, 'c{i}'); UPDATE customer SET name = 'd{i}' WHERE id = {i};"
+        ))
+        .await;
+    }
+    env.settle(&mut run).await;
+    let st: serde_json::Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    // Whoever came first relays: the one relay of every partition alone,
+    // or (over Kafka) the appliers' partition relays together.
+    let lease = &st["relay_lease"];
+    let (all, parts) = (
+        lease["all_partitions"].as_i64().unwrap(),
+        lease["partition_relays"].as_i64().unwrap(),
+    );
+    assert!(
+        (all == 1 && parts == 0) || (all == 0 && parts >= 1 && env.is_kafka()),
+        "{st}"
+    );
+    run.stop(&env);
+    assert_exactly_once(&env).await;
+}

@@ -499,3 +499,48 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
     assert_eq!(total, n as usize, "every event exactly once");
     assert_eq!(got, expected, "per key, events arrive in outbox id order");
 }
+
+/// The relay lease: one relay of every partition at a time, alone; relays
+/// of owned partitions together; a lease is freed when its connection
+/// closes (a crashed relay does not block the next one).
+async fn lease_contract<S: Sidecar>(mut a: S, b: &mut S, c: &mut S) {
+    assert!(a.relay_lease(true).await.unwrap(), "a free lease");
+    assert!(
+        !b.relay_lease(true).await.unwrap(),
+        "a second all-partitions relay stands by"
+    );
+    assert!(
+        !b.relay_lease(false).await.unwrap(),
+        "partition relays stand by too"
+    );
+    drop(a);
+    // The server notices the closed session shortly.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !b.relay_lease(false).await.unwrap() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease was not freed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        c.relay_lease(false).await.unwrap(),
+        "partition relays share it"
+    );
+    assert!(!c.relay_lease(true).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_relay_lease_keeps_one_all_partitions_relay() {
+    let url = pg_db("skein_t_contract_lease").await;
+    let connect = || PgSidecar::connect(&url, "skein");
+    let (a, mut b, mut c) = (
+        connect().await.unwrap(),
+        connect().await.unwrap(),
+        connect().await.unwrap(),
+    );
+    // Who holds it can be read (for `skein status`): before, nobody.
+    assert_eq!(c.relay_lease_holders().await.unwrap(), Some((0, 0)));
+    lease_contract(a, &mut b, &mut c).await;
+    assert_eq!(c.relay_lease_holders().await.unwrap(), Some((0, 2)));
+}

@@ -17,7 +17,8 @@ use crate::sink::Sink;
 /// Which outbox rows a relay takes.
 #[derive(Clone, Debug, Default)]
 pub enum RelayScope {
-    /// Every partition, skipping rows another relay holds (run one such relay).
+    /// Every partition, skipping rows another relay holds: it takes the
+    /// sidecar's relay lease exclusively, so it relays alone.
     #[default]
     All,
     /// Only the partitions this process owns (`skein apply`). Rows are locked
@@ -59,6 +60,33 @@ pub async fn run_relay<S: Sidecar + Send>(
     cancel: CancellationToken,
 ) -> Result<()> {
     async move {
+        // One relay of every partition, or any number of relays of owned
+        // partitions, per sidecar: the others stand by.
+        let exclusive = matches!(scope, RelayScope::All);
+        let mut standing_by = false;
+        while !sidecar.relay_lease(exclusive).await? {
+            if !standing_by {
+                info!(
+                    "another relay of this sidecar is running ({}); standing by until it stops",
+                    if exclusive {
+                        "a `skein relay` / `skein run`, or appliers that relay their partitions"
+                    } else {
+                        "a relay of every partition"
+                    }
+                );
+                standing_by = true;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = cancel.cancelled() => {
+                    info!("relay stopped while standing by");
+                    return Ok(());
+                }
+            }
+        }
+        if standing_by {
+            info!("relay lease taken; relaying");
+        }
         let mut total = 0usize;
         loop {
             let n = relay_once(&mut sidecar, sink.as_mut(), limit, &scope).await?;

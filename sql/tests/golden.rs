@@ -439,6 +439,8 @@ fn sqlserver_sidecar_statements_are_frozen() {
             sc::relay_select_sql(s, Some(&[0, 3])),
         ),
         ("relay: mark dequeued", sc::relay_mark_sql(s, &[41, 42])),
+        ("relay lease, all partitions", sc::relay_lease_sql(true)),
+        ("relay lease, owned partitions", sc::relay_lease_sql(false)),
         ("replay: rewind a partition", sc::rewind_sql(s)),
         (
             "replay --republish: forget two versions",
@@ -486,6 +488,18 @@ fn postgres_sidecar_statements_are_frozen() {
             sc::relay_select_partitions_sql(s),
         ),
         ("relay: mark dequeued", sc::relay_mark_sql(s)),
+        (
+            "relay lease, all partitions ($1 = 'skein.relay.skein')",
+            sc::relay_lease_sql(true).to_string(),
+        ),
+        (
+            "relay lease, owned partitions",
+            sc::relay_lease_sql(false).to_string(),
+        ),
+        (
+            "relay lease holders",
+            sc::relay_lease_holders_sql().to_string(),
+        ),
         ("replay: rewind a partition", sc::rewind_sql(s)),
         (
             "replay --republish: forget versions",

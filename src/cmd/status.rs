@@ -4,7 +4,9 @@
 //! * `source`: what the source reports (see `skein_extractor::admin::status`);
 //! * `partitions`: per partition the sidecar progress and, for Kafka, the
 //!   log end and the lag between them;
-//! * `outbox`: rows not yet relayed and the age of the oldest.
+//! * `outbox`: rows not yet relayed and the age of the oldest;
+//! * `relay_lease`: how many relays hold the sidecar's relay lease (one of
+//!   every partition, or any number of partition relays; others stand by).
 
 use skein_applier::sidecar::Sidecar;
 use skein_common::config::{Config, Transport};
@@ -62,6 +64,17 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
     out.insert(
         "outbox".into(),
         serde_json::json!({ "pending": pending, "oldest_pending_ms": oldest_ms }),
+    );
+    // Who relays: one relay of every partition (exclusive) or appliers
+    // relaying their partitions (shared); others stand by.
+    out.insert(
+        "relay_lease".into(),
+        match sidecar.relay_lease_holders().await? {
+            Some((exclusive, shared)) => {
+                serde_json::json!({ "all_partitions": exclusive, "partition_relays": shared })
+            }
+            None => serde_json::Value::Null,
+        },
     );
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

@@ -219,6 +219,19 @@ pub trait Sidecar {
         partitions: Option<&[i32]>,
         sink: &mut dyn Sink,
     ) -> impl Future<Output = Result<usize>> + Send;
+
+    /// Takes this connection's relay lease if it is free and returns
+    /// whether it did; held until the connection closes (a crashed relay
+    /// frees it). `exclusive` for the relay of every partition, which skips
+    /// rows others hold and so must relay alone; shared for the relays of
+    /// owned partitions, which wait on each other's rows and may run
+    /// together. So a `skein relay` never runs beside another one, nor
+    /// beside appliers that relay: one of them stands by.
+    fn relay_lease(&mut self, exclusive: bool) -> impl Future<Output = Result<bool>> + Send;
+
+    /// How many sessions hold the relay lease, exclusively and shared
+    /// (`skein status`); `None` where the dialect does not tell.
+    fn relay_lease_holders(&mut self) -> impl Future<Output = Result<Option<(i64, i64)>>> + Send;
 }
 
 /// Hands the rows a relay step claimed to the sink (which may block: file
@@ -350,5 +363,13 @@ impl Sidecar for AnySidecar {
         sink: &mut dyn Sink,
     ) -> Result<usize> {
         delegate!(self, s => s.relay_once(limit, partitions, sink).await)
+    }
+
+    async fn relay_lease(&mut self, exclusive: bool) -> Result<bool> {
+        delegate!(self, s => s.relay_lease(exclusive).await)
+    }
+
+    async fn relay_lease_holders(&mut self) -> Result<Option<(i64, i64)>> {
+        delegate!(self, s => s.relay_lease_holders().await)
     }
 }

@@ -295,4 +295,24 @@ impl Sidecar for PgSidecar {
             .map_err(db("committing the relay transaction"))?;
         Ok(ids.len())
     }
+
+    async fn relay_lease(&mut self, exclusive: bool) -> Result<bool> {
+        let name = sc::relay_lease_name(&self.schema);
+        let row = self
+            .client
+            .query_one(sc::relay_lease_sql(exclusive), &[&name])
+            .await
+            .map_err(db("taking the relay lease"))?;
+        Ok(row.get(0))
+    }
+
+    async fn relay_lease_holders(&mut self) -> Result<Option<(i64, i64)>> {
+        let name = sc::relay_lease_name(&self.schema);
+        let row = self
+            .client
+            .query_one(sc::relay_lease_holders_sql(), &[&name])
+            .await
+            .map_err(db("reading the relay lease"))?;
+        Ok(Some((row.get(0), row.get(1))))
+    }
 }

@@ -400,4 +400,22 @@ impl Sidecar for MssqlSidecar {
         tx.commit("committing the relay transaction").await?;
         Ok(ids.len())
     }
+
+    async fn relay_lease(&mut self, exclusive: bool) -> Result<bool> {
+        let name = skein_sql::postgres::sidecar::relay_lease_name(&self.schema);
+        let rows = self
+            .client
+            .query(
+                "taking the relay lease",
+                &sc::relay_lease_sql(exclusive),
+                &[&name.as_str()],
+            )
+            .await?;
+        Ok(matches!(rows.first().and_then(|r| r.first()), Some(SqlValue::Int(code)) if *code >= 0))
+    }
+
+    /// Not read on SQL Server yet (`sys.dm_tran_locks` would tell).
+    async fn relay_lease_holders(&mut self) -> Result<Option<(i64, i64)>> {
+        Ok(None)
+    }
 }

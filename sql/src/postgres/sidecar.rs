@@ -143,6 +143,34 @@ pub fn relay_select_partitions_sql(schema: &str) -> String {
     )
 }
 
+/// The relay lease of a sidecar schema (`$1` of [`relay_lease_sql`]): one
+/// per sidecar, so relays of one outbox never interleave out of order.
+pub fn relay_lease_name(schema: &str) -> String {
+    format!("skein.relay.{schema}")
+}
+
+/// Takes the relay lease `$1` ([`relay_lease_name`]) for this session if
+/// free: a session advisory lock, exclusive for the relay of every
+/// partition (it skips locked rows, so it must be alone), shared for the
+/// relays of owned partitions (they wait on each other's rows). Returns
+/// whether it was granted; it is held until the session ends.
+pub fn relay_lease_sql(exclusive: bool) -> &'static str {
+    if exclusive {
+        "SELECT pg_try_advisory_lock(hashtext($1))"
+    } else {
+        "SELECT pg_try_advisory_lock_shared(hashtext($1))"
+    }
+}
+
+/// How many sessions hold the relay lease `$1` in this database (advisory
+/// locks are per database), exclusively and shared (`skein status`).
+pub fn relay_lease_holders_sql() -> &'static str {
+    "SELECT count(*) FILTER (WHERE mode = 'ExclusiveLock'), count(*) FILTER (WHERE mode = 'ShareLock') \
+     FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 \
+     AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+     AND ((classid::int8 << 32) | objid::int8) = hashtext($1)::int8"
+}
+
 /// Marks the relayed rows (ids in the array `$1`) dequeued.
 pub fn relay_mark_sql(schema: &str) -> String {
     format!(

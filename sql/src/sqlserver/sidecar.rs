@@ -186,6 +186,19 @@ pub fn forget_versions_sql(schema: &str, keys: usize) -> String {
     )
 }
 
+/// Takes the relay lease `@P1` (the PostgreSQL dialect's `relay_lease_name`)
+/// for this session if free: an application lock owned by the session,
+/// exclusive for the relay of every partition, shared for the relays of
+/// owned partitions. Returns `sp_getapplock`'s code: 0 or 1 granted,
+/// negative not.
+pub fn relay_lease_sql(exclusive: bool) -> String {
+    let mode = if exclusive { "Exclusive" } else { "Shared" };
+    format!(
+        "DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = '{mode}', \
+         @LockOwner = 'Session', @LockTimeout = 0; SELECT CAST(@r AS bigint)"
+    )
+}
+
 /// Marks relayed rows dequeued (ids are numbers read from the outbox).
 pub fn relay_mark_sql(schema: &str, ids: &[i64]) -> String {
     let list: Vec<String> = ids.iter().map(i64::to_string).collect();

@@ -41,6 +41,15 @@ SELECT id, entity, event FROM "skein"."outbox" WHERE dequeued_at IS NULL AND par
 -- relay: mark dequeued
 UPDATE "skein"."outbox" SET dequeued_at = clock_timestamp() WHERE id = ANY($1);
 
+-- relay lease, all partitions ($1 = 'skein.relay.skein')
+SELECT pg_try_advisory_lock(hashtext($1));
+
+-- relay lease, owned partitions
+SELECT pg_try_advisory_lock_shared(hashtext($1));
+
+-- relay lease holders
+SELECT count(*) FILTER (WHERE mode = 'ExclusiveLock'), count(*) FILTER (WHERE mode = 'ShareLock') FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) AND ((classid::int8 << 32) | objid::int8) = hashtext($1)::int8;
+
 -- replay: rewind a partition
 UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_seq = NULL, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8;
 

@@ -37,6 +37,12 @@ SELECT TOP (@P1) [id], [entity], [event] FROM [skein].[outbox] WITH (UPDLOCK, RO
 -- relay: mark dequeued
 UPDATE [skein].[outbox] SET [dequeued_at] = SYSUTCDATETIME() WHERE [id] IN (41, 42);
 
+-- relay lease, all partitions
+DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Session', @LockTimeout = 0; SELECT CAST(@r AS bigint);
+
+-- relay lease, owned partitions
+DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Shared', @LockOwner = 'Session', @LockTimeout = 0; SELECT CAST(@r AS bigint);
+
 -- replay: rewind a partition
 UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;
 
