@@ -636,17 +636,7 @@ async fn an_offset_the_log_no_longer_holds_is_data_loss() {
     let mut run = env.start().await;
     env.settle(&mut run).await;
     run.stop(&env);
-    let subjects: Vec<String> = env
-        .events()
-        .iter()
-        .map(|e| {
-            format!(
-                "{} {}",
-                e["subject"].as_str().unwrap(),
-                e["action"].as_str().unwrap()
-            )
-        })
-        .collect();
+    let subjects = env.subject_actions();
     assert_eq!(
         subjects,
         [
@@ -707,11 +697,7 @@ async fn replay_never_gives_up_records_the_log_still_holds() {
     let mut run = env.start_with(&dynamic).await;
     env.settle(&mut run).await;
     run.stop(&env);
-    let subjects: Vec<String> = env
-        .events()
-        .iter()
-        .map(|e| e["subject"].as_str().unwrap().to_string())
-        .collect();
+    let subjects = env.subjects();
     assert_eq!(subjects, ["customer.1", "customer.2"]);
 }
 

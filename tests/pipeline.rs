@@ -319,11 +319,7 @@ async fn data_loss_continue_records_it_and_goes_on() {
     )
     .await;
     run.stop(&env);
-    let subjects: Vec<String> = env
-        .events()
-        .iter()
-        .map(|e| e["subject"].as_str().unwrap().to_string())
-        .collect();
+    let subjects = env.subjects();
     assert_eq!(subjects, vec!["customer.1", "customer.3"]);
     // Every partition records the loss in its row of the first batch after
     // it: in-process all rows share that batch's upper bound; over Kafka
@@ -589,11 +585,7 @@ async fn marker_reset_past_changes_records_the_loss_in_the_sidecar() {
     )
     .await;
     run.stop(&env);
-    let subjects: Vec<String> = env
-        .events()
-        .iter()
-        .map(|e| e["subject"].as_str().unwrap().to_string())
-        .collect();
+    let subjects = env.subjects();
     assert_eq!(subjects, vec!["customer.1", "customer.3"]);
     let lossy: i64 = env
         .db

@@ -418,6 +418,28 @@ impl Env {
     }
 
     /// Events in the outbox, in id order.
+    /// The `subject` of every event in the sink file, in order.
+    pub fn subjects(&self) -> Vec<String> {
+        self.events()
+            .iter()
+            .map(|e| e["subject"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    /// `"<subject> <action>"` of every event in the sink file, in order.
+    pub fn subject_actions(&self) -> Vec<String> {
+        self.events()
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} {}",
+                    e["subject"].as_str().unwrap(),
+                    e["action"].as_str().unwrap()
+                )
+            })
+            .collect()
+    }
+
     pub async fn outbox(&self) -> Vec<Value> {
         self.db
             .query("SELECT event FROM skein.outbox ORDER BY id", &[])
