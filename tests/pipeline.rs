@@ -632,3 +632,33 @@ async fn a_second_relay_stands_by() {
     run.stop(&env);
     assert_exactly_once(&env).await;
 }
+
+/// The state directory is lost (a container on a new disk) and the slot
+/// was dropped: the sidecar's progress shows the pipeline ran, so starting
+/// afresh from a new slot would skip what happened in between. It stops
+/// with a data-loss error instead (issue 10, defect 3).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_state_dir_and_slot_is_data_loss() {
+    let env = Env::new("lost_state", same).await;
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    run.stop(&env);
+    env.drop_slot().await;
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'lost');")
+        .await;
+    std::fs::remove_dir_all(env.dir.join("state")).unwrap();
+    let mut run = Running { children: vec![] };
+    env.spawn_into(&mut run, env.extractor_command(), &[]);
+    // Before the fix it started afresh and ran on: give it a while.
+    let status = run.wait_exit(Duration::from_secs(20));
+    let err = env.log();
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("data loss") && err.contains("sidecar's progress"),
+        "{err}"
+    );
+}

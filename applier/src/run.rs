@@ -255,6 +255,33 @@ pub async fn connect(
     ))
 }
 
+/// Where the sidecar says this pipeline had applied to on `topic`: the
+/// highest source position among its partitions' progress (in-process: the
+/// batch upper bound; Kafka: the last source change applied). `None` when
+/// nothing was applied. The extractor consults it when its marker is gone.
+pub async fn progress_floor<S: Sidecar>(
+    sidecar: &mut S,
+    cfg: &Config,
+    topic: &str,
+    kind: CheckpointKind,
+) -> Result<Option<skein_common::SourcePosition>> {
+    let mut floor = None;
+    for p in 0..cfg.transport.partitions() {
+        let Some(progress) = sidecar.progress(&cfg.name, topic, p).await? else {
+            continue;
+        };
+        let at = match kind {
+            CheckpointKind::Source(d) => Some(
+                skein_common::SourcePosition::from_numeric(d, progress.position)
+                    .map_err(|e| Error::Data(format!("stored progress of partition {p}: {e}")))?,
+            ),
+            CheckpointKind::Offset => progress.source.map(|s| s.commit),
+        };
+        floor = floor.max(at);
+    }
+    Ok(floor)
+}
+
 /// Where a Kafka partition resumes when it is assigned: the next offset
 /// from the sidecar's progress of `cfg.name` on `topic` (the sidecar, not
 /// Kafka's committed offset, is the truth). Blocking: the consumer calls it

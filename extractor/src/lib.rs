@@ -84,10 +84,14 @@ pub trait ChangeSource {
     fn label(&self) -> String;
     /// Checks the source against the stored marker and decides where to
     /// start; [`Error::DataLoss`] when the source lost changes after it
-    /// (unless `continue_with_data_loss`).
+    /// (unless `continue_with_data_loss`). `floor`: with no marker, where
+    /// the sidecar says the pipeline had already applied to — a state
+    /// directory lost after the pipeline ran; a source that can no longer
+    /// serve from there has lost changes too.
     fn prepare(
         &mut self,
         marker: Option<SourcePosition>,
+        floor: Option<SourcePosition>,
         continue_with_data_loss: bool,
     ) -> impl Future<Output = Result<StartPoint>> + Send;
     /// Starts reading after `from`.
@@ -141,11 +145,12 @@ impl ChangeSource for AnySource {
     async fn prepare(
         &mut self,
         marker: Option<SourcePosition>,
+        floor: Option<SourcePosition>,
         continue_with_data_loss: bool,
     ) -> Result<StartPoint> {
         match self {
-            AnySource::Postgres(s) => s.prepare(marker, continue_with_data_loss).await,
-            AnySource::SqlServer(s) => s.prepare(marker, continue_with_data_loss).await,
+            AnySource::Postgres(s) => s.prepare(marker, floor, continue_with_data_loss).await,
+            AnySource::SqlServer(s) => s.prepare(marker, floor, continue_with_data_loss).await,
         }
     }
 
@@ -227,11 +232,14 @@ pub async fn load_catalog(cfg: &Config) -> Result<Catalog> {
     }
 }
 
-/// Runs the extractor until `cancel` fires or an error stops it.
+/// Runs the extractor until `cancel` fires or an error stops it. `floor`:
+/// where the sidecar's progress says the pipeline had applied to (see
+/// [`ChangeSource::prepare`]); consulted only when there is no marker.
 pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
     cfg: &Config,
     source: &mut S,
     markers: &dyn MarkerStore,
+    floor: Option<SourcePosition>,
     transport: &T,
     cancel: CancellationToken,
 ) -> Result<()> {
@@ -241,6 +249,7 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
         let start = source
             .prepare(
                 stored.as_ref().map(|m| m.position),
+                floor,
                 cfg.extractor.continue_with_data_loss,
             )
             .await?;

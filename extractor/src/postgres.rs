@@ -172,6 +172,7 @@ impl PgSource {
     pub async fn prepare_slot(
         &mut self,
         marker: Option<PgLsn>,
+        floor: Option<PgLsn>,
         continue_with_data_loss: bool,
     ) -> Result<StartPoint> {
         let publication = self
@@ -224,15 +225,33 @@ impl PgSource {
                 position: at.into(),
                 data_loss: false,
             }),
-            (None, _, _) => {
+            (None, _, reason) => {
+                // No marker and no usable slot. A first start, unless the
+                // sidecar shows the pipeline applied changes before: then
+                // the state directory was lost with the slot, and whatever
+                // came after that point is gone.
+                if let (Some(f), Some(reason)) = (floor, &reason) {
+                    if !continue_with_data_loss {
+                        return Err(Error::DataLoss {
+                            marker: format!(
+                                "{f} (the sidecar's progress: the state directory is empty)"
+                            ),
+                            available: reason.clone(),
+                        });
+                    }
+                }
                 if slot_state.is_some() {
                     self.drop_slot().await?;
                 }
                 let at = self.create_slot().await?;
                 info!(slot = %self.slot, position = %at, "created replication slot");
+                let data_loss = floor.is_some() && reason.is_some();
+                if data_loss {
+                    warn!(floor = ?floor.map(|f| f.to_string()), position = %at, "data loss: the state directory and the slot were lost; continuing from the new slot");
+                }
                 Ok(StartPoint {
                     position: at.into(),
-                    data_loss: false,
+                    data_loss,
                 })
             }
             (Some(m), Some(at), None) if at <= m => Ok(StartPoint {
@@ -503,10 +522,17 @@ impl ChangeSource for PgSource {
     async fn prepare(
         &mut self,
         marker: Option<SourcePosition>,
+        floor: Option<SourcePosition>,
         continue_with_data_loss: bool,
     ) -> Result<StartPoint> {
         let marker = crate::marker_in(marker, SourcePosition::pg)?;
-        self.prepare_slot(marker, continue_with_data_loss).await
+        let floor = if marker.is_none() {
+            crate::marker_in(floor, SourcePosition::pg)?
+        } else {
+            None
+        };
+        self.prepare_slot(marker, floor, continue_with_data_loss)
+            .await
     }
 
     async fn start(&mut self, from: SourcePosition) -> Result<()> {

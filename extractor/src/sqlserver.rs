@@ -828,9 +828,12 @@ impl ChangeSource for MssqlSource {
     async fn prepare(
         &mut self,
         marker: Option<SourcePosition>,
+        floor: Option<SourcePosition>,
         continue_with_data_loss: bool,
     ) -> Result<StartPoint> {
-        let marker = crate::marker_in(marker, SourcePosition::sqlserver)?;
+        // A lost state directory: resume from the sidecar's progress, so a
+        // capture instance cleaned up past it is reported as data loss.
+        let marker = crate::marker_in(marker.or(floor), SourcePosition::sqlserver)?;
         self.check_cdc().await?;
         let mins = self.min_lsns().await?;
         let Some(m) = marker else {

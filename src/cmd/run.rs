@@ -3,10 +3,13 @@
 
 use anyhow::bail;
 use skein_applier::relay::{run_relay, RelayScope};
+use skein_applier::run::progress_floor;
 use skein_applier::sidecar::Sidecar;
 use skein_common::config::{Config, Transport};
+use skein_common::CheckpointKind;
 use skein_extractor::{AnySource, SledMarkerStore};
 use skein_transporter::InProcess;
+use skein_transporter::IN_PROCESS_TOPIC;
 use tokio_util::sync::CancellationToken;
 
 use super::{make_sink, relay_failure, shutdown_token, sidecar, watch_relay};
@@ -19,7 +22,16 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
     };
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
-    sidecar(&cfg).await?.migrate().await?;
+    let mut sc = sidecar(&cfg).await?;
+    sc.migrate().await?;
+    let floor = progress_floor(
+        &mut sc,
+        &cfg,
+        IN_PROCESS_TOPIC,
+        CheckpointKind::Source(cfg.source.dialect()),
+    )
+    .await?;
+    drop(sc);
     let mut source = AnySource::connect(&cfg).await?;
     let catalog = source.catalog().clone();
     let (transport, mut inbox) =
@@ -40,7 +52,14 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         RelayScope::All,
         relay_cancel.clone(),
     ));
-    let extraction = skein_extractor::run(&cfg, &mut source, &markers, &transport, cancel.clone());
+    let extraction = skein_extractor::run(
+        &cfg,
+        &mut source,
+        &markers,
+        floor,
+        &transport,
+        cancel.clone(),
+    );
     let (result, relay_died) = watch_relay(extraction, &mut relay, &cancel).await;
     drop(transport);
     let applied = appliers.await;
