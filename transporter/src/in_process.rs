@@ -194,16 +194,30 @@ impl InProcessInbox {
             .collect()
     }
 
+    /// Waits up to `timeout` for a slice of a ready partition; the
+    /// channels block, so off the async workers.
+    async fn wait(&self, timeout: Duration) -> Result<Got> {
+        let receivers = self.receivers.clone();
+        let ready = self.ready();
+        tokio::task::spawn_blocking(move || wait_any(&receivers, &ready, timeout))
+            .await
+            .map_err(|e| Error::Consumer {
+                message: format!("waiting on the in-process channels: {e}"),
+            })
+    }
+
     fn take(&mut self, got: Got, round: &mut Round) {
         match got {
-            Got::Slice(p, slice) => {
-                let b = &slice.batch;
+            Got::Slice(p, mut slice) => {
+                // The slice stays only for its acknowledgement: its records
+                // move to the delivery instead of being copied.
+                let b = &mut slice.batch;
                 round.deliveries.push(Delivery {
                     partition: p,
                     lower: Checkpoint::Source(b.lower),
                     upper: Checkpoint::Source(b.upper),
                     has_data_loss: b.has_data_loss,
-                    records: b.records.clone(),
+                    records: std::mem::take(&mut b.records),
                     dead_letters: 0,
                 });
                 self.unacked.insert(p, slice);
@@ -233,30 +247,17 @@ impl Inbox for InProcessInbox {
                 .membership
                 .push(Membership::Assigned(self.open.iter().copied().collect()));
         }
-        // The channels block: wait on them off the async workers.
-        let receivers = self.receivers.clone();
-        let ready = self.ready();
-        let first = tokio::task::spawn_blocking(move || wait_any(&receivers, &ready, IDLE))
-            .await
-            .map_err(|e| Error::Consumer {
-                message: format!("waiting on the in-process channels: {e}"),
-            })?;
+        let first = self.wait(IDLE).await?;
         let got_one = matches!(first, Got::Slice(..));
         self.take(first, &mut round);
         if got_one {
             let deadline = Instant::now() + GATHER;
             loop {
-                let ready = self.ready();
                 let left = deadline.saturating_duration_since(Instant::now());
-                if ready.is_empty() || left.is_zero() {
+                if self.ready().is_empty() || left.is_zero() {
                     break;
                 }
-                let receivers = self.receivers.clone();
-                let got = tokio::task::spawn_blocking(move || wait_any(&receivers, &ready, left))
-                    .await
-                    .map_err(|e| Error::Consumer {
-                        message: format!("waiting on the in-process channels: {e}"),
-                    })?;
+                let got = self.wait(left).await?;
                 if matches!(got, Got::Nothing) {
                     break;
                 }

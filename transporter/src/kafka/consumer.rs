@@ -377,11 +377,6 @@ impl KafkaInbox {
         let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
     }
 
-    /// The partitions this member owns now.
-    pub fn owned(&self) -> Vec<u32> {
-        self.buffers.owned()
-    }
-
     /// Polls for up to `wait` or `max` records, off the async workers
     /// (librdkafka's poll blocks and runs the rebalance callback).
     async fn poll(&mut self) -> Result<Vec<Polled>> {
