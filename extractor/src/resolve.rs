@@ -349,7 +349,9 @@ impl BatchResolution {
         let mut current: Option<(usize, u32)> = None;
         for (ti, ci, table, keys) in self.slots {
             if current != Some((ti, ci)) {
-                flush_change(&mut change, &mut out)?;
+                if let Some((_, prev)) = current {
+                    flush_change(prev, &mut change, &mut out)?;
+                }
                 current = Some((ti, ci));
             }
             let tx = &txs[ti];
@@ -366,9 +368,10 @@ impl BatchResolution {
                         root_key: key,
                         table: table.clone(),
                         op,
+                        // Numbered by `flush_change`.
                         position: ChangePosition {
                             commit: tx.position,
-                            seq: u64::from(ci) << (CANDIDATE_BITS + RANK_BITS),
+                            seq: 0,
                         },
                         tx_id: tx.tx_id,
                         commit_time_micros: tx.commit_time_micros,
@@ -376,15 +379,20 @@ impl BatchResolution {
                 ));
             }
         }
-        flush_change(&mut change, &mut out)?;
+        if let Some((_, last)) = current {
+            flush_change(last, &mut change, &mut out)?;
+        }
         Ok(out)
     }
 }
 
-/// Numbers the records of one change (all sharing the change's base
-/// `seq`) by candidate, then by root key within a candidate, and appends
-/// them in that order.
-fn flush_change(change: &mut Vec<(u32, ChangeRecord)>, out: &mut Vec<ChangeRecord>) -> Result<()> {
+/// Numbers the records of change `ci` by candidate, then by root key within
+/// a candidate, and appends them in that order.
+fn flush_change(
+    ci: u32,
+    change: &mut Vec<(u32, ChangeRecord)>,
+    out: &mut Vec<ChangeRecord>,
+) -> Result<()> {
     change.sort_by(|(ca, a), (cb, b)| {
         ca.cmp(cb)
             .then_with(|| a.root_key.canonical().cmp(&b.root_key.canonical()))
@@ -395,7 +403,6 @@ fn flush_change(change: &mut Vec<(u32, ChangeRecord)>, out: &mut Vec<ChangeRecor
     for (cand, mut r) in change.drain(..) {
         rank = if last_cand == Some(cand) { rank + 1 } else { 0 };
         last_cand = Some(cand);
-        let ci = u32::try_from(r.position.seq >> (CANDIDATE_BITS + RANK_BITS)).unwrap_or(u32::MAX);
         r.position.seq = record_seq(ci, cand, rank)?;
         out.push(r);
     }
