@@ -6,17 +6,33 @@ use std::time::Instant;
 
 use skein_common::config::Config;
 use skein_common::failpoint::failpoint;
-use skein_common::{Checkpoint, CheckpointKind};
+use skein_common::{Checkpoint, CheckpointKind, RootKey};
 use skein_sql::Catalog;
 use skein_transporter::Delivery;
 use tracing::info;
 
-use crate::decide::{consolidate, decide, Action};
+use crate::decide::{consolidate, decide, Action, Current};
 use crate::error::{Error, Result};
 use crate::event::{build_event, EventContext};
 use crate::fresh::{fresh, Fresh};
 use crate::hydrate::{EntityHydrator, Source};
 use crate::sidecar::{BatchCommit, OutboxRow, Progress, Sidecar, VersionRow};
+
+/// Reads the latest state of each entity's aggregates, in order.
+async fn hydrate_all(
+    hydrators: &HashMap<String, EntityHydrator>,
+    source: &mut Source,
+    by_entity: &[(&str, Vec<usize>, Vec<RootKey>)],
+) -> Result<Vec<Vec<Current>>> {
+    let mut out = Vec::with_capacity(by_entity.len());
+    for (entity, _, keys) in by_entity {
+        let Some(h) = hydrators.get(*entity) else {
+            return Err(Error::Data(format!("record for unknown entity `{entity}`")));
+        };
+        out.push(h.hydrate(source, keys).await?);
+    }
+    Ok(out)
+}
 
 /// What one applied batch did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -139,46 +155,32 @@ impl<S: Sidecar> Applier<S> {
         for (i, c) in consolidated.iter().enumerate() {
             by_entity.entry(c.entity.as_str()).or_default().push(i);
         }
-        let by_entity: Vec<(&str, Vec<usize>)> = by_entity.into_iter().collect();
-        let keys_of = |idxs: &[usize]| -> Vec<_> {
-            idxs.iter().map(|i| consolidated[*i].key.clone()).collect()
-        };
+        // Per entity: the consolidated indexes and their root keys.
+        let by_entity: Vec<(&str, Vec<usize>, Vec<RootKey>)> = by_entity
+            .into_iter()
+            .map(|(entity, idxs)| {
+                let keys = idxs.iter().map(|i| consolidated[*i].key.clone()).collect();
+                (entity, idxs, keys)
+            })
+            .collect();
         // Every aggregate of the batch is read in one snapshot of the
         // source: a transaction committed meanwhile shows in all of an
         // aggregate's tables or in none, so every event is a state that
         // existed. The snapshot ends (commits or, after an error, rolls
         // back) before anything else can fail.
         self.source.begin_snapshot().await?;
-        let mut read = Ok(Vec::with_capacity(by_entity.len()));
-        for (entity, idxs) in &by_entity {
-            let Some(h) = self.hydrators.get(*entity) else {
-                read = Err(Error::Data(format!("record for unknown entity `{entity}`")));
-                break;
-            };
-            match h.hydrate(&mut self.source, &keys_of(idxs)).await {
-                Ok(current) => {
-                    if let Ok(r) = read.as_mut() {
-                        r.push(current);
-                    }
-                }
-                Err(e) => {
-                    read = Err(e);
-                    break;
-                }
-            }
-        }
+        let read = hydrate_all(&self.hydrators, &mut self.source, &by_entity).await;
         // A hydration error is the cause; ending the snapshot after it can
         // only fail for the same reason (a lost connection).
         let ended = self.source.end_snapshot().await;
-        let hydrated: Vec<_> = read?;
+        let hydrated = read?;
         ended?;
         let mut outbox = vec![];
         let mut versions = vec![];
-        for ((entity, idxs), current) in by_entity.into_iter().zip(hydrated) {
+        for ((entity, idxs, keys), current) in by_entity.into_iter().zip(hydrated) {
             let Some(h) = self.hydrators.get(entity) else {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
             };
-            let keys = keys_of(&idxs);
             let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
             let stored = self.sidecar.versions(entity, &canon).await?;
             for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {

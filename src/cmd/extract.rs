@@ -1,13 +1,11 @@
 //! `skein extract`: the extractor alone, producing to the Kafka change topic.
 
-use skein_applier::run::progress_floor;
-use skein_applier::sidecar::Sidecar;
 use skein_common::config::Config;
 use skein_common::CheckpointKind;
 use skein_extractor::{AnySource, SledMarkerStore};
 use skein_transporter::kafka::{ensure_topic, KafkaTransport};
 
-use super::{kafka, kafka_client, shutdown_token, sidecar};
+use super::{kafka, kafka_client, migrated_floor, shutdown_token};
 
 /// Runs the extractor until a signal or an error.
 pub async fn extract(cfg: Config) -> anyhow::Result<()> {
@@ -16,10 +14,7 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     let (kc, topic) = (kafka_client(k), &k.topic);
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
     // Where the appliers had got to, should the marker be gone.
-    let mut sc = sidecar(&cfg).await?;
-    sc.migrate().await?;
-    let floor = progress_floor(&mut sc, &cfg, topic, CheckpointKind::Offset).await?;
-    drop(sc);
+    let floor = migrated_floor(&cfg, topic, CheckpointKind::Offset).await?;
     ensure_topic(&kc, topic, k.partitions, k.replication_factor).await?;
     let transport = KafkaTransport::new(&kc, topic, k.partitions)?;
     let mut source = AnySource::connect(&cfg).await?;

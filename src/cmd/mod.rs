@@ -15,9 +15,11 @@ pub mod validate;
 
 use anyhow::bail;
 use rdkafka::config::ClientConfig;
-use skein_applier::sidecar::AnySidecar;
+use skein_applier::run::progress_floor;
+use skein_applier::sidecar::{AnySidecar, Sidecar};
 use skein_applier::sink::{FileSink, KafkaSink, Sink, StdoutSink};
 use skein_common::config::{self, Config, KafkaTransport, Transport};
+use skein_common::{CheckpointKind, SourcePosition};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
@@ -43,6 +45,19 @@ pub fn make_sink(cfg: &Config) -> anyhow::Result<Box<dyn Sink>> {
 /// A connection to the configured sidecar.
 pub async fn sidecar(cfg: &Config) -> anyhow::Result<AnySidecar> {
     Ok(AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?)
+}
+
+/// Creates or upgrades the sidecar schema, then reads where the sidecar
+/// says the pipeline had applied to on `topic`: the extractor's fallback
+/// when its marker is gone.
+pub async fn migrated_floor(
+    cfg: &Config,
+    topic: &str,
+    kind: CheckpointKind,
+) -> anyhow::Result<Option<SourcePosition>> {
+    let mut sc = sidecar(cfg).await?;
+    sc.migrate().await?;
+    Ok(progress_floor(&mut sc, cfg, topic, kind).await?)
 }
 
 /// The Kafka transport of the config, for the commands that need one.

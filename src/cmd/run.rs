@@ -3,8 +3,6 @@
 
 use anyhow::bail;
 use skein_applier::relay::{run_relay, RelayScope};
-use skein_applier::run::progress_floor;
-use skein_applier::sidecar::Sidecar;
 use skein_common::config::{Config, Transport};
 use skein_common::CheckpointKind;
 use skein_extractor::{AnySource, SledMarkerStore};
@@ -12,7 +10,7 @@ use skein_transporter::InProcess;
 use skein_transporter::IN_PROCESS_TOPIC;
 use tokio_util::sync::CancellationToken;
 
-use super::{make_sink, relay_failure, shutdown_token, sidecar, watch_relay};
+use super::{make_sink, migrated_floor, relay_failure, shutdown_token, sidecar, watch_relay};
 
 /// Runs until SIGTERM/SIGINT or an error; stops in order: the extractor
 /// ends → the inbox closes and the appliers drain → the relay drains.
@@ -22,16 +20,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
     };
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
-    let mut sc = sidecar(&cfg).await?;
-    sc.migrate().await?;
-    let floor = progress_floor(
-        &mut sc,
-        &cfg,
-        IN_PROCESS_TOPIC,
-        CheckpointKind::Source(cfg.source.dialect()),
-    )
-    .await?;
-    drop(sc);
+    let kind = CheckpointKind::Source(cfg.source.dialect());
+    let floor = migrated_floor(&cfg, IN_PROCESS_TOPIC, kind).await?;
     let mut source = AnySource::connect(&cfg).await?;
     let catalog = source.catalog().clone();
     let (transport, mut inbox) =
