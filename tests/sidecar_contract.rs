@@ -23,7 +23,7 @@ use std::time::Duration;
 use common::{admin_url, connect, recreate_db};
 use skein_applier::relay::{relay_once, run_relay, RelayScope};
 use skein_applier::sidecar::{
-    AnySidecar, BatchCommit, OutboxRow, PgSidecar, Rewind, Sidecar, VersionRow,
+    AnySidecar, BatchCommit, Fence, OutboxRow, PgSidecar, Rewind, Sidecar, VersionRow,
 };
 use skein_applier::sink::{Sink, SinkEvent};
 use skein_applier::Error;
@@ -84,7 +84,7 @@ fn batch(
         group: "contract".into(),
         topic: "in-process".into(),
         partition: 2,
-        expected,
+        expected: expected.map(at_epoch_0),
         position,
         source: Some(ChangePosition {
             commit: source,
@@ -168,7 +168,9 @@ async fn contract<S: Sidecar>(mut sc: S, source: impl Fn(u8) -> SourcePosition) 
         3,
     );
     match sc.commit(&stale).await {
-        Err(Error::Fenced { found, .. }) => assert_eq!(found, Some(source(10).numeric())),
+        Err(Error::Fenced { found, .. }) => {
+            assert_eq!(found, Some(at_epoch_0(source(10).numeric())))
+        }
         other => panic!("expected a fence, got {other:?}"),
     }
 
@@ -243,6 +245,7 @@ async fn contract<S: Sidecar>(mut sc: S, source: impl Fn(u8) -> SourcePosition) 
         .unwrap();
     assert_eq!(kept.len(), 1, "nothing forgotten");
 
+    let before_rewind = sc.progress("contract", "orders", 0).await.unwrap().unwrap();
     let rewind = Rewind {
         partitions: vec![(0, 10, 4), (1, 7, 0)],
         ..stale
@@ -273,21 +276,70 @@ async fn contract<S: Sidecar>(mut sc: S, source: impl Fn(u8) -> SourcePosition) 
     assert!(versions.contains_key("[\"2\"]"));
     // A rewound partition is fenced for an applier that still expects 10.
     let zombie = BatchCommit {
-        expected: Some(10),
+        expected: Some(before_rewind.fence()),
         ..offsets(0, 12, 30, 7)
     };
     assert!(matches!(
         sc.commit(&zombie).await,
         Err(Error::Fenced { .. })
     ));
+    // ABA: another applier re-applies 4 → 10, so progress is 10 again. The
+    // zombie that read 10 before the rewind is still fenced.
+    assert_eq!(
+        p0.epoch,
+        before_rewind.epoch + 1,
+        "a rewind bumps the epoch"
+    );
+    let reapplied = BatchCommit {
+        expected: Some(p0.fence()),
+        ..offsets(0, 10, 40, 8)
+    };
+    sc.commit(&reapplied).await.unwrap();
+    assert!(
+        matches!(sc.commit(&zombie).await, Err(Error::Fenced { .. })),
+        "a zombie whose progress a rewind wrote back is fenced"
+    );
+
+    // Taking a partition over: the new owner's claim fences the old owner
+    // even though the position did not move.
+    let old_owner = sc.progress("contract", "orders", 0).await.unwrap().unwrap();
+    let new_owner = sc.claim("contract", "orders", 0).await.unwrap().unwrap();
+    assert_eq!(
+        (new_owner.position, new_owner.epoch),
+        (old_owner.position, old_owner.epoch + 1)
+    );
+    let stale_owner = BatchCommit {
+        expected: Some(old_owner.fence()),
+        ..offsets(0, 11, 50, 9)
+    };
+    match sc.commit(&stale_owner).await {
+        Err(Error::Fenced { found, .. }) => assert_eq!(found, Some(new_owner.fence())),
+        other => panic!("the old owner must be fenced, got {other:?}"),
+    }
+    assert_eq!(
+        sc.claim("contract", "never-committed", 0).await.unwrap(),
+        None,
+        "nothing to claim before the first commit"
+    );
 
     // Rewinding does not touch the outbox: the four events are still due once.
     let sent = relay_all(&mut sc).await;
     assert_eq!(
         sent,
-        vec!["{\"n\":10}", "{\"n\":11}", "{\"n\":20}", "{\"n\":21}"]
+        vec![
+            "{\"n\":10}",
+            "{\"n\":11}",
+            "{\"n\":20}",
+            "{\"n\":21}",
+            "{\"n\":40}",
+            "{\"n\":41}"
+        ]
     );
     assert_eq!(sc.pending().await.unwrap(), (0, 0));
+}
+
+fn at_epoch_0(position: i128) -> Fence {
+    Fence { position, epoch: 0 }
 }
 
 fn forget_keys(forget: &[(String, String)]) -> Vec<String> {
@@ -446,7 +498,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
             group: "relay".into(),
             topic: "orders".into(),
             partition,
-            expected: expected_pos,
+            expected: expected_pos.map(at_epoch_0),
             position,
             source: None,
             dead_letters: 0,

@@ -1,8 +1,9 @@
 //! Upgrading a sidecar in place, against the real PostgreSQL: a version 2
 //! sidecar (PostgreSQL LSNs in `bigint`, as the previous release wrote it,
 //! kept in `tests/fixtures/sidecar_v2.sql`) becomes version 3 (`numeric`
-//! positions, `source_commit` in display form) with its progress intact,
-//! and a pipeline then resumes from that progress.
+//! positions, `source_commit` in display form) and then version 4 (the
+//! fencing `epoch`, 0 for existing rows) with its progress intact, and a
+//! pipeline then resumes from that progress.
 
 mod common;
 
@@ -30,7 +31,7 @@ async fn a_version_2_sidecar_is_upgraded_in_place() {
         .db
         .query(
             "SELECT table_name || '.' || column_name, data_type FROM information_schema.columns
-             WHERE table_schema = 'skein' AND column_name IN ('position', 'source_commit', 'lower_position', 'upper_position')
+             WHERE table_schema = 'skein' AND column_name IN ('position', 'source_commit', 'lower_position', 'upper_position', 'epoch')
              ORDER BY 1",
             &[],
         )
@@ -44,26 +45,27 @@ async fn a_version_2_sidecar_is_upgraded_in_place() {
         vec![
             ("batch.lower_position".into(), "numeric".into()),
             ("batch.upper_position".into(), "numeric".into()),
+            ("progress.epoch".into(), "bigint".into()),
             ("progress.position".into(), "numeric".into()),
             ("progress.source_commit".into(), "text".into()),
         ]
     );
-    let rows: Vec<(String, Option<String>, Option<i64>)> = env
+    let rows: Vec<(String, Option<String>, Option<i64>, i64)> = env
         .db
         .query(
-            "SELECT position::text, source_commit, source_seq FROM skein.progress ORDER BY topic",
+            "SELECT position::text, source_commit, source_seq, epoch FROM skein.progress ORDER BY topic",
             &[],
         )
         .await
         .unwrap()
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
         .collect();
     assert_eq!(
         rows,
         vec![
-            ("4294967362".into(), Some("1/42".into()), Some(3)),
-            ("17".into(), None, None),
+            ("4294967362".into(), Some("1/42".into()), Some(3), 0),
+            ("17".into(), None, None, 0),
         ]
     );
     let versions: Vec<i32> = env
@@ -74,13 +76,13 @@ async fn a_version_2_sidecar_is_upgraded_in_place() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, vec![2, 3]);
+    assert_eq!(versions, vec![2, 4], "the version reached is recorded");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pipeline_resumes_across_the_upgrade() {
     let env = Env::new("sidecar_upgrade_run", |y| y).await;
-    // Publish under version 3, then put the sidecar back to version 2's
+    // Publish under version 4, then put the sidecar back to version 2's
     // types (as the previous release left it) and let `skein run` upgrade it.
     let mut run = env.start().await;
     env.step(
@@ -94,7 +96,8 @@ async fn a_pipeline_resumes_across_the_upgrade() {
            ALTER COLUMN source_commit TYPE bigint USING NULL;
          ALTER TABLE skein.batch ALTER COLUMN lower_position TYPE bigint,
            ALTER COLUMN upper_position TYPE bigint;
-         DELETE FROM skein.schema_version WHERE version = 3;",
+         ALTER TABLE skein.progress DROP COLUMN epoch;
+         DELETE FROM skein.schema_version WHERE version IN (3, 4);",
     )
     .await;
     let mut run = env.start().await;

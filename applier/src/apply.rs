@@ -57,6 +57,9 @@ pub struct Applier<S: Sidecar> {
     partition: u32,
     kind: CheckpointKind,
     progress: Option<Option<Progress>>,
+    /// Whether this applier has claimed the partition (bumped its epoch)
+    /// since it last took it.
+    claimed: bool,
 }
 
 impl<S: Sidecar> Applier<S> {
@@ -89,6 +92,7 @@ impl<S: Sidecar> Applier<S> {
             partition,
             kind,
             progress: None,
+            claimed: false,
         }
     }
 
@@ -98,14 +102,20 @@ impl<S: Sidecar> Applier<S> {
     }
 
     /// The committed progress (read from the sidecar once, then tracked).
+    /// The first read after taking the partition claims it: the epoch is
+    /// bumped, so an applier that held it before is fenced.
     pub async fn progress(&mut self) -> Result<Option<Progress>> {
         if let Some(p) = self.progress {
             return Ok(p);
         }
-        let p = self
-            .sidecar
-            .progress(&self.cfg.name, &self.topic, self.partition)
-            .await?;
+        let (group, topic, p) = (&self.cfg.name, &self.topic, self.partition);
+        let p = if self.claimed {
+            self.sidecar.progress(group, topic, p).await?
+        } else {
+            let claimed = self.sidecar.claim(group, topic, p).await?;
+            self.claimed = true;
+            claimed
+        };
         self.progress = Some(p);
         Ok(p)
     }
@@ -127,9 +137,16 @@ impl<S: Sidecar> Applier<S> {
         self.progress
     }
 
-    /// Forgets the cached progress (after a fence or a reassignment).
+    /// Forgets the cached progress (after a fence, or idle to look again).
     pub fn reset_progress(&mut self) {
         self.progress = None;
+    }
+
+    /// The partition changed hands (assigned or revoked): forget the
+    /// progress and claim the partition again at the next read.
+    pub fn taken_over(&mut self) {
+        self.progress = None;
+        self.claimed = false;
     }
 
     /// Applies one delivery: drops what the committed progress covers
@@ -226,7 +243,7 @@ impl<S: Sidecar> Applier<S> {
             group: self.cfg.name.clone(),
             topic: self.topic.clone(),
             partition: self.partition,
-            expected: expected.map(|p| p.position),
+            expected: expected.map(|p| p.fence()),
             position: d.upper.numeric(),
             source: source_after,
             dead_letters: d.dead_letters,
@@ -253,6 +270,8 @@ impl<S: Sidecar> Applier<S> {
         self.progress = Some(Some(Progress {
             position: d.upper.numeric(),
             source: source_after,
+            // A commit keeps the epoch; a first commit writes epoch 0.
+            epoch: expected.map_or(0, |p| p.epoch),
         }));
         let applied = Applied {
             records: records.len(),

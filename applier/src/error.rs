@@ -1,5 +1,7 @@
 //! Errors of `skein-applier`.
 
+use crate::sidecar::Fence;
+
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -16,13 +18,15 @@ pub enum Error {
     /// Another applier moved this partition's progress: this one is a zombie
     /// and wrote nothing.
     #[error(
-        "partition {partition}: progress moved to {found:?} while this applier expected {expected:?}; \
-         the batch was rolled back (another applier owns the partition)"
+        "partition {partition}: progress is {} while this applier expected {}; \
+         the batch was rolled back (another applier took the partition, or a replay rewound it)",
+        show(found),
+        show(expected)
     )]
     Fenced {
         partition: u32,
-        expected: Option<i128>,
-        found: Option<i128>,
+        expected: Option<Fence>,
+        found: Option<Fence>,
     },
     /// A row from the source could not be turned into JSON.
     #[error("{0}")]
@@ -58,4 +62,9 @@ impl Error {
 pub(crate) fn db(context: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> Error {
     let context = context.into();
     move |source| Error::Db { context, source }
+}
+
+/// A fence in an error message: `none` before the first commit.
+fn show(f: &Option<Fence>) -> String {
+    f.map_or_else(|| "none".into(), |f| f.to_string())
 }

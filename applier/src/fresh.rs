@@ -136,7 +136,11 @@ mod tests {
     }
 
     fn progress(position: i128, source: Option<ChangePosition>) -> Progress {
-        Progress { position, source }
+        Progress {
+            position,
+            source,
+            epoch: 0,
+        }
     }
 
     fn keys(f: &Fresh) -> Vec<(u64, u64)> {

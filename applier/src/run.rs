@@ -85,9 +85,10 @@ pub async fn run<I: Inbox>(
             for m in &round.membership {
                 let (Membership::Assigned(ps) | Membership::Revoked(ps)) = m;
                 for p in ps {
-                    // Whoever held the partition meanwhile may have moved it.
+                    // Whoever held the partition meanwhile may have moved
+                    // it; taking it again claims it (a new epoch).
                     if let Some(a) = appliers.get_mut(p) {
-                        a.reset_progress();
+                        a.taken_over();
                     }
                 }
                 if let Some(o) = &owned {
@@ -329,8 +330,14 @@ mod tests {
     fn a_fence_reseeks_and_any_other_failure_stops() {
         let fenced = Error::Fenced {
             partition: 1,
-            expected: Some(5),
-            found: Some(9),
+            expected: Some(crate::sidecar::Fence {
+                position: 5,
+                epoch: 1,
+            }),
+            found: Some(crate::sidecar::Fence {
+                position: 5,
+                epoch: 2,
+            }),
         };
         assert_eq!(after_failure(&fenced), AfterFailure::Reseek);
         assert_eq!(
@@ -348,13 +355,15 @@ mod tests {
 
     #[test]
     fn progress_moved_only_when_it_differs_from_what_was_read() {
-        let p = |position| Progress {
+        let at = |position, epoch| Progress {
             position,
             source: Some(ChangePosition {
                 commit: PgLsn(7).into(),
                 seq: 0,
             }),
+            epoch,
         };
+        let p = |position| at(position, 0);
         assert!(
             !moved_under_us(None, Some(p(5))),
             "never read: nothing to compare"
@@ -369,5 +378,9 @@ mod tests {
             "another applier committed first"
         );
         assert!(moved_under_us(Some(Some(p(5))), None), "progress deleted");
+        assert!(
+            moved_under_us(Some(Some(p(5))), Some(at(5, 1))),
+            "rewound and re-applied to the same position (ABA), or claimed"
+        );
     }
 }

@@ -417,6 +417,7 @@ fn sqlserver_sidecar_statements_are_frozen() {
             migrate.replace(&ddl, "-- (the DDL of sqlserver_sidecar.sql)"),
         ),
         ("progress of a partition", sc::progress_sql(s)),
+        ("an applier takes a partition", sc::claim_progress_sql(s)),
         ("batch transaction 1a: fence", sc::advance_progress_sql(s)),
         (
             "batch transaction 1b: first progress",
@@ -468,6 +469,7 @@ fn postgres_sidecar_statements_are_frozen() {
             migrate.replace(&ddl, "-- (the DDL of postgres_sidecar.sql)"),
         ),
         ("progress of a partition", sc::progress_sql(s)),
+        ("an applier takes a partition", sc::claim_progress_sql(s)),
         ("batch transaction 1a: fence", sc::advance_progress_sql(s)),
         (
             "batch transaction 1b: first progress",

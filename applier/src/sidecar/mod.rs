@@ -63,8 +63,9 @@ pub struct BatchCommit {
     pub topic: String,
     /// Partition.
     pub partition: u32,
-    /// The progress this applier started from (`None`: no row yet).
-    pub expected: Option<i128>,
+    /// The progress this applier started from, position and epoch
+    /// (`None`: no row yet).
+    pub expected: Option<Fence>,
     /// The new progress.
     pub position: i128,
     /// The last source change applied in this partition, after this batch.
@@ -99,9 +100,37 @@ pub struct Progress {
     pub position: i128,
     /// The last source change applied (Kafka drops re-sent records by it).
     pub source: Option<ChangePosition>,
+    /// Bumped by every ownership change ([`Sidecar::claim`]) and rewind
+    /// ([`Sidecar::rewind`]); a commit needs the epoch it read.
+    pub epoch: i64,
+}
+
+/// What a batch commit is fenced on: the progress position and epoch its
+/// applier read. Position alone is not enough: a rewind can write back a
+/// position a stale applier read before it (ABA); the epoch it bumped is new.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence {
+    /// [`Progress::position`].
+    pub position: i128,
+    /// [`Progress::epoch`].
+    pub epoch: i64,
+}
+
+impl std::fmt::Display for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (epoch {})", self.position, self.epoch)
+    }
 }
 
 impl Progress {
+    /// The fence a commit from this progress carries.
+    pub fn fence(&self) -> Fence {
+        Fence {
+            position: self.position,
+            epoch: self.epoch,
+        }
+    }
+
     /// The position as a Kafka offset (what it is in the Kafka mode).
     pub fn offset(&self) -> i64 {
         i64::try_from(self.position).unwrap_or(i64::MAX)
@@ -135,7 +164,8 @@ pub fn parse_numeric(s: &str) -> Result<i128> {
 ///
 /// - **One fenced transaction per batch.** [`Sidecar::commit`] writes the
 ///   batch row, outbox rows, versions and the new progress atomically, and
-///   only if progress still equals [`BatchCommit::expected`]; otherwise
+///   only if progress (position and epoch) still equals
+///   [`BatchCommit::expected`]; otherwise
 ///   nothing is written and [`Error::Fenced`] is returned. Committed progress
 ///   is the exactly-once recovery marker: a record at or before it is never
 ///   applied again.
@@ -159,6 +189,17 @@ pub trait Sidecar {
     /// The committed progress of a partition; `None` before its first
     /// commit. Reads committed data only.
     fn progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> impl Future<Output = Result<Option<Progress>>> + Send;
+
+    /// An applier takes a partition: bumps its epoch and returns the
+    /// progress with the new epoch, so every applier that read it before
+    /// is fenced from now on. `None` (nothing bumped) before the first
+    /// commit: the first commit's insert is fenced by the row itself.
+    fn claim(
         &mut self,
         group: &str,
         topic: &str,
@@ -338,6 +379,15 @@ impl Sidecar for AnySidecar {
         partition: u32,
     ) -> Result<Option<Progress>> {
         delegate!(self, s => s.progress(group, topic, partition).await)
+    }
+
+    async fn claim(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
+        delegate!(self, s => s.claim(group, topic, partition).await)
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {

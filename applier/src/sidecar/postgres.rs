@@ -10,7 +10,7 @@ use skein_common::config::Secret;
 use skein_common::failpoint::failpoint;
 use skein_sql::postgres::sidecar as sc;
 
-use super::{parse_numeric, source_position, BatchCommit, Progress, Rewind, Sidecar};
+use super::{parse_numeric, source_position, BatchCommit, Fence, Progress, Rewind, Sidecar};
 use crate::connect_postgres;
 use crate::decide::Stored;
 use crate::error::{db, Error, Result};
@@ -38,6 +38,33 @@ impl PgSidecar {
     }
 }
 
+impl PgSidecar {
+    /// The one progress row `sql` returns for `$1` group, `$2` topic, `$3`
+    /// partition: position (text), source_commit, source_seq, epoch.
+    async fn progress_row(
+        &self,
+        sql: &str,
+        what: &'static str,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
+        let row = self
+            .client
+            .query_opt(sql, &[&group, &topic, &(partition as i32)])
+            .await
+            .map_err(db(what))?;
+        row.map(|r| {
+            Ok(Progress {
+                position: parse_numeric(&r.get::<_, String>(0))?,
+                source: source_position(r.get(1), r.get(2))?,
+                epoch: r.get(3),
+            })
+        })
+        .transpose()
+    }
+}
+
 impl Sidecar for PgSidecar {
     async fn migrate(&mut self) -> Result<()> {
         // One transaction under an advisory lock (see `migrate_sql`).
@@ -53,19 +80,26 @@ impl Sidecar for PgSidecar {
         topic: &str,
         partition: u32,
     ) -> Result<Option<Progress>> {
-        let row = self
-            .client
-            .query_opt(
-                &sc::progress_sql(&self.schema),
-                &[&group, &topic, &(partition as i32)],
-            )
+        let sql = sc::progress_sql(&self.schema);
+        self.progress_row(&sql, "reading progress", group, topic, partition)
             .await
-            .map_err(db("reading progress"))?;
-        let Some(r) = row else { return Ok(None) };
-        Ok(Some(Progress {
-            position: parse_numeric(&r.get::<_, String>(0))?,
-            source: source_position(r.get(1), r.get(2))?,
-        }))
+    }
+
+    async fn claim(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
+        let sql = sc::claim_progress_sql(&self.schema);
+        self.progress_row(
+            &sql,
+            "claiming the partition's progress",
+            group,
+            topic,
+            partition,
+        )
+        .await
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
@@ -101,7 +135,8 @@ impl Sidecar for PgSidecar {
         let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
         // Positions go over the wire as text: tokio-postgres has no numeric.
         let position = b.position.to_string();
-        let expected_text = b.expected.map(|e| e.to_string());
+        let expected_text = b.expected.map(|e| e.position.to_string());
+        let expected_epoch = b.expected.map(|e| e.epoch);
         let (lower, upper) = (b.lower.to_string(), b.upper.to_string());
         let src_seq: Option<i64> = b.source.map(|p| i64::try_from(p.seq).unwrap_or(i64::MAX));
         // 1. Fence: move progress only from where this applier started.
@@ -117,6 +152,7 @@ impl Sidecar for PgSidecar {
                         &expected,
                         &src_commit,
                         &src_seq,
+                        &expected_epoch,
                     ],
                 )
                 .await
@@ -144,7 +180,12 @@ impl Sidecar for PgSidecar {
                 )
                 .await
                 .map_err(db("reading progress after a fence"))?
-                .map(|r| parse_numeric(&r.get::<_, String>(0)))
+                .map(|r| {
+                    Ok::<_, Error>(Fence {
+                        position: parse_numeric(&r.get::<_, String>(0))?,
+                        epoch: r.get(1),
+                    })
+                })
                 .transpose()?;
             // Dropping `tx` rolls back.
             return Err(Error::Fenced {

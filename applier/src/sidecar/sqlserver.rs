@@ -64,25 +64,37 @@ async fn read_progress(
     topic: &str,
     partition: u32,
 ) -> Result<Option<Progress>> {
+    let sql = sc::progress_sql(schema);
+    progress_query(c, "reading progress", &sql, group, topic, partition).await
+}
+
+/// The one progress row `sql` returns for `@P1` group, `@P2` topic, `@P3`
+/// partition (a read, or a claim that bumps the epoch).
+async fn progress_query(
+    c: &mut MssqlClient,
+    what: &str,
+    sql: &str,
+    group: &str,
+    topic: &str,
+    partition: u32,
+) -> Result<Option<Progress>> {
     let rows = c
-        .query(
-            "reading progress",
-            &sc::progress_sql(schema),
-            &[&group, &topic, &(partition as i32)],
-        )
+        .query(what, sql, &[&group, &topic, &(partition as i32)])
         .await?;
-    let Some(r) = rows.first() else {
-        return Ok(None);
-    };
-    let position = parse_numeric(&text(r.first()).unwrap_or_default())?;
-    let seq = match r.get(2) {
+    rows.first().map(|r| progress_row(r)).transpose()
+}
+
+/// A progress row: position (text), source_commit, source_seq, epoch.
+fn progress_row(r: &[SqlValue]) -> Result<Progress> {
+    let int = |i: usize| match r.get(i) {
         Some(SqlValue::Int(s)) => Some(*s),
         _ => None,
     };
-    Ok(Some(Progress {
-        position,
-        source: source_position(text(r.get(1)), seq)?,
-    }))
+    Ok(Progress {
+        position: parse_numeric(&text(r.first()).unwrap_or_default())?,
+        source: source_position(text(r.get(1)), int(2))?,
+        epoch: int(3).unwrap_or(0),
+    })
 }
 
 /// Fence, batch row, outbox, versions: the body of the batch transaction
@@ -95,8 +107,8 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
 
     // 1. Fence: move progress only from where this applier started.
     let moved = match b.expected {
-        Some(expected) => {
-            let expected = expected.to_string();
+        Some(fence) => {
+            let expected = fence.position.to_string();
             c.execute(
                 "advancing progress",
                 &sc::advance_progress_sql(schema),
@@ -108,6 +120,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
                     &expected.as_str(),
                     &src_commit,
                     &src_seq,
+                    &fence.epoch,
                 ],
             )
             .await?
@@ -133,7 +146,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
     if moved != 1 {
         let found = read_progress(c, schema, &b.group, &b.topic, b.partition)
             .await?
-            .map(|p| p.position);
+            .map(|p| p.fence());
         return Err(Error::Fenced {
             partition: b.partition,
             expected: b.expected,
@@ -252,6 +265,17 @@ impl Sidecar for MssqlSidecar {
         partition: u32,
     ) -> Result<Option<Progress>> {
         read_progress(&mut self.client, &self.schema, group, topic, partition).await
+    }
+
+    async fn claim(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<Progress>> {
+        let sql = sc::claim_progress_sql(&self.schema);
+        let what = "claiming the partition's progress";
+        progress_query(&mut self.client, what, &sql, group, topic, partition).await
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {

@@ -14,7 +14,7 @@ use crate::catalog::{Catalog, ColumnInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
-pub const SIDECAR_SCHEMA_VERSION: i32 = 3;
+pub const SIDECAR_SCHEMA_VERSION: i32 = 4;
 
 /// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
@@ -265,11 +265,17 @@ CREATE TABLE IF NOT EXISTS {s}."progress" (
   "position"      numeric(25,0) NOT NULL,
   "source_commit" text,
   "source_seq"    bigint,
+  "epoch"         bigint      NOT NULL DEFAULT 0,
   "updated_at"    timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY ("group_name", "topic", "partition")
 );
 ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_commit" text;
 ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
+-- Version 4: the fencing epoch. Every ownership change (an applier taking
+-- the partition) and every rewind (`skein replay`) adds one; a batch commits
+-- only if both position and epoch are still what its applier read, so a
+-- position written back by a rewind does not let a stale applier through.
+ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "epoch" bigint NOT NULL DEFAULT 0;
 
 CREATE TABLE IF NOT EXISTS {s}."batch" (
   "id"             bigserial   PRIMARY KEY,

@@ -21,11 +21,23 @@ pub fn migrate_sql(schema: &str) -> String {
 }
 
 /// A partition's progress: `$1` group, `$2` topic, `$3` partition.
-/// Columns: position (text), source_commit, source_seq.
+/// Columns: position (text), source_commit, source_seq, epoch.
 pub fn progress_sql(schema: &str) -> String {
     format!(
-        "SELECT position::text, source_commit, source_seq FROM {}.\"progress\" \
+        "SELECT position::text, source_commit, source_seq, epoch FROM {}.\"progress\" \
          WHERE group_name = $1 AND topic = $2 AND partition = $3",
+        qi(schema)
+    )
+}
+
+/// An applier takes a partition: bumps its epoch (`$1` group, `$2` topic,
+/// `$3` partition), fencing every applier that read it before. Columns as
+/// [`progress_sql`]; no row before the partition's first commit.
+pub fn claim_progress_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.\"progress\" SET epoch = epoch + 1 \
+         WHERE group_name = $1 AND topic = $2 AND partition = $3 \
+         RETURNING position::text, source_commit, source_seq, epoch",
         qi(schema)
     )
 }
@@ -39,14 +51,15 @@ pub fn versions_sql(schema: &str) -> String {
     )
 }
 
-/// Fence: moves progress from `$5` to `$4` (decimal texts), with the last
-/// source change `$6`/`$7`; affects 0 rows when progress moved.
+/// Fence: moves progress from `$5` at epoch `$8` to `$4` (decimal texts),
+/// with the last source change `$6`/`$7`; affects 0 rows when progress
+/// moved or another applier took the partition (the epoch changed).
 pub fn advance_progress_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.\"progress\" SET position = $4::text::numeric, source_commit = $6, \
          source_seq = $7, updated_at = now() \
          WHERE group_name = $1 AND topic = $2 AND partition = $3 \
-         AND position = $5::text::numeric",
+         AND position = $5::text::numeric AND epoch = $8",
         qi(schema)
     )
 }
@@ -61,11 +74,11 @@ pub fn first_progress_sql(schema: &str) -> String {
     )
 }
 
-/// The position a fenced commit found (`$1` group, `$2` topic, `$3`
-/// partition), read inside the failed transaction for the error message.
+/// The position and epoch a fenced commit found (`$1` group, `$2` topic,
+/// `$3` partition), read inside the failed transaction for the error message.
 pub fn fenced_position_sql(schema: &str) -> String {
     format!(
-        "SELECT position::text FROM {}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3",
+        "SELECT position::text, epoch FROM {}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3",
         qi(schema)
     )
 }
@@ -181,11 +194,13 @@ pub fn relay_mark_sql(schema: &str) -> String {
 
 /// `skein replay`: moves a partition's progress (`$1` group, `$2` topic,
 /// `$3` partition) from offset `$4` back to `$5`, forgetting the last source
-/// change; affects 0 rows when progress moved meanwhile.
+/// change and bumping the epoch (an applier that read the old progress is
+/// fenced even once the position is back where it read it); affects 0 rows
+/// when progress moved meanwhile.
 pub fn rewind_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.\"progress\" SET position = $5::int8, source_commit = NULL, \
-         source_seq = NULL, updated_at = now() \
+         source_seq = NULL, epoch = epoch + 1, updated_at = now() \
          WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8",
         qi(schema)
     )

@@ -450,8 +450,16 @@ pub fn sidecar_ddl(schema: &str) -> String {
          [position]      decimal(25,0) NOT NULL,\n  \
          [source_commit] nvarchar(30)  NULL,\n  \
          [source_seq]    bigint        NULL,\n  \
+         [epoch]         bigint        NOT NULL DEFAULT 0,\n  \
          [updated_at]    datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
          PRIMARY KEY ([group_name], [topic], [partition])",
+    );
+    let _ = write!(
+        out,
+        "-- Version 4: the fencing epoch, bumped by every ownership change and rewind.\n\
+         IF COL_LENGTH({p}, N'epoch') IS NULL\n    \
+         ALTER TABLE {s}.[progress] ADD [epoch] bigint NOT NULL DEFAULT 0;\n",
+        p = ql(&format!("{s}.[progress]")),
     );
     out += "\n";
     out += &table(

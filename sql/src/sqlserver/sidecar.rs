@@ -15,23 +15,37 @@ pub fn migrate_sql(schema: &str) -> String {
 }
 
 /// A partition's progress: `@P1` group, `@P2` topic, `@P3` partition.
-/// Columns: position (text), source_commit, source_seq.
+/// Columns: position (text), source_commit, source_seq, epoch.
 pub fn progress_sql(schema: &str) -> String {
     format!(
-        "SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq] \
+        "SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] \
          FROM {}.[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
         qi(schema)
     )
 }
 
-/// Fence: moves progress from `@P5` to `@P4` (decimal texts), with the
-/// last source change `@P6`/`@P7`; affects 0 rows when progress moved.
+/// An applier takes a partition: bumps its epoch (`@P1` group, `@P2`
+/// topic, `@P3` partition), fencing every applier that read it before.
+/// Columns as [`progress_sql`]; no row before the partition's first commit.
+pub fn claim_progress_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.[progress] SET [epoch] = [epoch] + 1 \
+         OUTPUT CAST(inserted.[position] AS nvarchar(40)), inserted.[source_commit], \
+         inserted.[source_seq], inserted.[epoch] \
+         WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
+        qi(schema)
+    )
+}
+
+/// Fence: moves progress from `@P5` at epoch `@P8` to `@P4` (decimal
+/// texts), with the last source change `@P6`/`@P7`; affects 0 rows when
+/// progress moved or another applier took the partition.
 pub fn advance_progress_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.[progress] SET [position] = CAST(@P4 AS decimal(25,0)), \
          [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() \
          WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 \
-         AND [position] = CAST(@P5 AS decimal(25,0))",
+         AND [position] = CAST(@P5 AS decimal(25,0)) AND [epoch] = @P8",
         qi(schema)
     )
 }
@@ -165,11 +179,12 @@ pub fn relay_select_sql(schema: &str, partitions: Option<&[i32]>) -> String {
 
 /// `skein replay`: moves a partition's progress (`@P1` group, `@P2`
 /// topic, `@P3` partition) from offset `@P4` back to `@P5`, forgetting
-/// the last source change; affects 0 rows when progress moved meanwhile.
+/// the last source change and bumping the epoch; affects 0 rows when
+/// progress moved meanwhile.
 pub fn rewind_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, \
-         [updated_at] = SYSUTCDATETIME() \
+         [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() \
          WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4",
         qi(schema)
     )

@@ -1,4 +1,4 @@
--- skein sidecar schema, version 3.
+-- skein sidecar schema, version 4.
 CREATE SCHEMA IF NOT EXISTS "skein";
 
 CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
@@ -19,11 +19,17 @@ CREATE TABLE IF NOT EXISTS "skein"."progress" (
   "position"      numeric(25,0) NOT NULL,
   "source_commit" text,
   "source_seq"    bigint,
+  "epoch"         bigint      NOT NULL DEFAULT 0,
   "updated_at"    timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY ("group_name", "topic", "partition")
 );
 ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_commit" text;
 ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
+-- Version 4: the fencing epoch. Every ownership change (an applier taking
+-- the partition) and every rewind (`skein replay`) adds one; a batch commits
+-- only if both position and epoch are still what its applier read, so a
+-- position written back by a rewind does not let a stale applier through.
+ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "epoch" bigint NOT NULL DEFAULT 0;
 
 CREATE TABLE IF NOT EXISTS "skein"."batch" (
   "id"             bigserial   PRIMARY KEY,
@@ -84,4 +90,4 @@ CREATE TABLE IF NOT EXISTS "skein"."outbox" (
 CREATE INDEX IF NOT EXISTS "outbox_pending" ON "skein"."outbox" ("id") WHERE "dequeued_at" IS NULL;
 CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox" ("entity", "key", "id");
 
-INSERT INTO "skein"."schema_version" ("version") VALUES (3) ON CONFLICT DO NOTHING;
+INSERT INTO "skein"."schema_version" ("version") VALUES (4) ON CONFLICT DO NOTHING;

@@ -6,16 +6,19 @@ SELECT pg_advisory_xact_lock(hashtext('skein.sidecar.migrate'));
 COMMIT;;
 
 -- progress of a partition
-SELECT position::text, source_commit, source_seq FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
+SELECT position::text, source_commit, source_seq, epoch FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
+
+-- an applier takes a partition
+UPDATE "skein"."progress" SET epoch = epoch + 1 WHERE group_name = $1 AND topic = $2 AND partition = $3 RETURNING position::text, source_commit, source_seq, epoch;
 
 -- batch transaction 1a: fence
-UPDATE "skein"."progress" SET position = $4::text::numeric, source_commit = $6, source_seq = $7, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5::text::numeric;
+UPDATE "skein"."progress" SET position = $4::text::numeric, source_commit = $6, source_seq = $7, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5::text::numeric AND epoch = $8;
 
 -- batch transaction 1b: first progress
 INSERT INTO "skein"."progress" (group_name, topic, partition, position, source_commit, source_seq) VALUES ($1, $2, $3, $4::text::numeric, $5, $6) ON CONFLICT DO NOTHING;
 
 -- batch transaction, fenced: the position found
-SELECT position::text FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
+SELECT position::text, epoch FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
 
 -- batch transaction 2: batch row
 INSERT INTO "skein"."batch" (correlation_id, group_name, topic, partition, lower_position, upper_position, record_count, entity_count, event_count, has_data_loss, dead_letters) VALUES ($1::text::uuid, $2, $3, $4, $5::text::numeric, $6::text::numeric, $7, $8, $9, $10, $11) RETURNING id;
@@ -51,7 +54,7 @@ SELECT pg_try_advisory_lock_shared(hashtext($1));
 SELECT count(*) FILTER (WHERE mode = 'ExclusiveLock'), count(*) FILTER (WHERE mode = 'ShareLock') FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) AND ((classid::int8 << 32) | objid::int8) = hashtext($1)::int8;
 
 -- replay: rewind a partition
-UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_seq = NULL, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8;
+UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_seq = NULL, epoch = epoch + 1, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8;
 
 -- replay --republish: forget versions
 DELETE FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);

@@ -1,4 +1,4 @@
--- skein sidecar schema (T-SQL), version 3.
+-- skein sidecar schema (T-SQL), version 4.
 IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
 
 IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
@@ -16,9 +16,13 @@ CREATE TABLE [skein].[progress] (
   [position]      decimal(25,0) NOT NULL,
   [source_commit] nvarchar(30)  NULL,
   [source_seq]    bigint        NULL,
+  [epoch]         bigint        NOT NULL DEFAULT 0,
   [updated_at]    datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
   PRIMARY KEY ([group_name], [topic], [partition])
 );
+-- Version 4: the fencing epoch, bumped by every ownership change and rewind.
+IF COL_LENGTH(N'[skein].[progress]', N'epoch') IS NULL
+    ALTER TABLE [skein].[progress] ADD [epoch] bigint NOT NULL DEFAULT 0;
 
 IF OBJECT_ID(N'[skein].[batch]', N'U') IS NULL
 CREATE TABLE [skein].[batch] (
@@ -66,5 +70,5 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND obje
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
     CREATE INDEX [outbox_entity_key] ON [skein].[outbox] ([entity], [key], [id]);
 
-IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 3)
-    INSERT INTO [skein].[schema_version] ([version]) VALUES (3);
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 4)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (4);

@@ -5,10 +5,13 @@ EXEC sp_getapplock @Resource = N'skein.sidecar.migrate', @LockMode = 'Exclusive'
 COMMIT TRAN;;
 
 -- progress of a partition
-SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq] FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
+SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
+
+-- an applier takes a partition
+UPDATE [skein].[progress] SET [epoch] = [epoch] + 1 OUTPUT CAST(inserted.[position] AS nvarchar(40)), inserted.[source_commit], inserted.[source_seq], inserted.[epoch] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
 
 -- batch transaction 1a: fence
-UPDATE [skein].[progress] SET [position] = CAST(@P4 AS decimal(25,0)), [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = CAST(@P5 AS decimal(25,0));
+UPDATE [skein].[progress] SET [position] = CAST(@P4 AS decimal(25,0)), [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = CAST(@P5 AS decimal(25,0)) AND [epoch] = @P8;
 
 -- batch transaction 1b: first progress
 INSERT INTO [skein].[progress] ([group_name], [topic], [partition], [position], [source_commit], [source_seq]) SELECT @P1, @P2, @P3, CAST(@P4 AS decimal(25,0)), @P5, @P6 WHERE NOT EXISTS (SELECT 1 FROM [skein].[progress] WITH (UPDLOCK, HOLDLOCK) WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3);
@@ -44,7 +47,7 @@ DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Exclus
 DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Shared', @LockOwner = 'Session', @LockTimeout = 0; SELECT CAST(@r AS bigint);
 
 -- replay: rewind a partition
-UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;
+UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;
 
 -- replay --republish: forget two versions
 DELETE FROM [skein].[version] WHERE [entity] = @P1 AND [key] IN (@P2, @P3);
