@@ -733,3 +733,62 @@ async fn a_relay_that_cannot_deliver_stops_the_pipeline() {
         "the error must say the relay stopped and which outbox rows:\n{log}"
     );
 }
+
+/// Changing `transport.partitions` re-keys aggregates. With records still
+/// unapplied in the change topic, one aggregate would have old records in
+/// one partition and new ones in another, committed by different appliers
+/// in any order: `skein extract` refuses. Once every partition is applied
+/// to its log end, the change is accepted and nothing is lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn changing_partitions_with_a_backlog_is_refused() {
+    let env = Env::new_kafka("kafka_repartition", |y| y).await;
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    // The appliers stop; the extractor produces a backlog they do not apply.
+    run.kill_one(1);
+    let acked = |log: &str| log.matches("batch acknowledged").count();
+    let before = acked(&env.log());
+    env.exec("INSERT INTO customer (id, name) SELECT i, 'c' || i FROM generate_series(2, 41) i;")
+        .await;
+    let t0 = Instant::now();
+    while acked(&env.log()) == before {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", env.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    run.stop(&env);
+
+    let yaml = std::fs::read_to_string(&env.config).unwrap();
+    let two = yaml.replace("  partitions: 4\n", "  partitions: 2\n");
+    assert_ne!(yaml, two);
+    std::fs::write(&env.config, &two).unwrap();
+    match env.refused_within("extract", Duration::from_secs(20)) {
+        Some(err) => assert!(
+            err.contains("transport.partitions changed from 4 to 2") && err.contains("offset"),
+            "{err}"
+        ),
+        None => panic!("skein extract re-keyed a topic whose partitions hold unapplied records"),
+    }
+    // Drained at four partitions, then two: accepted, nothing lost.
+    std::fs::write(&env.config, &yaml).unwrap();
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    std::fs::write(&env.config, &two).unwrap();
+    let mut run = env.start().await;
+    env.step(&mut run, "UPDATE customer SET name = 'last' WHERE id = 1;")
+        .await;
+    run.stop(&env);
+    let subjects = env.subjects();
+    for id in 1..=41 {
+        assert!(
+            subjects.contains(&format!("customer.{id}")),
+            "customer {id} lost"
+        );
+    }
+    assert_eq!(subjects.len(), 42);
+    assert_exactly_once(&env).await;
+}

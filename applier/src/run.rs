@@ -256,31 +256,77 @@ pub async fn connect(
     ))
 }
 
-/// Where the sidecar says this pipeline had applied to on `topic`: the
-/// highest source position among its partitions' progress (in-process: the
-/// batch upper bound; Kafka: the last source change applied). `None` when
-/// nothing was applied. The extractor consults it when its marker is gone.
-pub async fn progress_floor<S: Sidecar>(
-    sidecar: &mut S,
-    cfg: &Config,
-    topic: &str,
-    kind: CheckpointKind,
-) -> Result<Option<skein_common::SourcePosition>> {
-    let mut floor = None;
-    for p in 0..cfg.transport.partitions() {
-        let Some(progress) = sidecar.progress(&cfg.name, topic, p).await? else {
-            continue;
-        };
-        let at = match kind {
-            CheckpointKind::Source(d) => Some(
-                skein_common::SourcePosition::from_numeric(d, progress.position)
-                    .map_err(|e| Error::Data(format!("stored progress of partition {p}: {e}")))?,
-            ),
-            CheckpointKind::Offset => progress.source.map(|s| s.commit),
-        };
-        floor = floor.max(at);
+/// What the sidecar knows of this pipeline's partitions on a topic when the
+/// extractor starts: the partition count records were last keyed by, and
+/// the progress of every partition of that count and of the configured one.
+#[derive(Clone, Debug, Default)]
+pub struct TopicProgress {
+    /// [`Sidecar::partitions`].
+    pub recorded: Option<u32>,
+    /// `(partition, progress)` of every partition that has committed.
+    pub progress: Vec<(u32, Progress)>,
+}
+
+impl TopicProgress {
+    /// Reads it for `cfg.name` on `topic`.
+    pub async fn read<S: Sidecar>(sidecar: &mut S, cfg: &Config, topic: &str) -> Result<Self> {
+        let recorded = sidecar.partitions(&cfg.name, topic).await?;
+        let mut progress = vec![];
+        for p in 0..recorded.unwrap_or(0).max(cfg.transport.partitions()) {
+            if let Some(at) = sidecar.progress(&cfg.name, topic, p).await? {
+                progress.push((p, at));
+            }
+        }
+        Ok(TopicProgress { recorded, progress })
     }
-    Ok(floor)
+
+    /// Where the sidecar says the pipeline had applied to: the highest
+    /// source position among the partitions' progress (in-process: the
+    /// batch upper bound; Kafka: the last source change applied). `None`
+    /// when nothing was applied. The extractor consults it when its marker
+    /// is gone.
+    pub fn floor(&self, kind: CheckpointKind) -> Result<Option<skein_common::SourcePosition>> {
+        let mut floor = None;
+        for (p, progress) in &self.progress {
+            let at = match kind {
+                CheckpointKind::Source(d) => Some(
+                    skein_common::SourcePosition::from_numeric(d, progress.position).map_err(
+                        |e| Error::Data(format!("stored progress of partition {p}: {e}")),
+                    )?,
+                ),
+                CheckpointKind::Offset => progress.source.map(|s| s.commit),
+            };
+            floor = floor.max(at);
+        }
+        Ok(floor)
+    }
+}
+
+/// Whether the extractor may key records by `configured` partitions on
+/// `topic` when they were last keyed by `recorded`: a different count moves
+/// aggregates between partitions, so an aggregate's unapplied records in
+/// its old partition would be dropped as applied, or committed out of order
+/// with its new ones. `behind` describes each partition that still holds
+/// such records. Returns whether `configured` must be recorded (first start
+/// or a safe change); an error names the partitions and what to do.
+pub fn repartition_check(
+    topic: &str,
+    recorded: Option<u32>,
+    configured: u32,
+    behind: &[String],
+) -> Result<bool> {
+    match recorded {
+        Some(n) if n == configured => Ok(false),
+        None => Ok(true),
+        Some(_) if behind.is_empty() => Ok(true),
+        Some(n) => Err(Error::Data(format!(
+            "transport.partitions changed from {n} to {configured} on `{topic}` while records \
+             keyed by {n} partitions are not applied yet ({}); re-keying them now would drop \
+             or reorder an aggregate's changes. Start once more with `partitions: {n}` until \
+             the pipeline has caught up (`skein status`), stop it, then change the count",
+            behind.join("; ")
+        ))),
+    }
 }
 
 /// Where a Kafka partition resumes when it is assigned: the next offset
@@ -351,6 +397,32 @@ mod tests {
         assert_eq!(after_failure(&sink), AfterFailure::Stop);
         let gone = Error::Transport(skein_transporter::Error::Disconnected { partition: 0 });
         assert_eq!(after_failure(&gone), AfterFailure::Stop);
+    }
+
+    #[test]
+    fn a_partition_count_changes_only_with_nothing_left_to_apply() {
+        let behind = vec!["partition 1 is applied up to offset 3 of 9".to_string()];
+        assert!(
+            repartition_check("t", None, 4, &behind).unwrap(),
+            "first start records"
+        );
+        assert!(
+            !repartition_check("t", Some(4), 4, &behind).unwrap(),
+            "unchanged"
+        );
+        assert!(
+            repartition_check("t", Some(4), 2, &[]).unwrap(),
+            "drained: records"
+        );
+        let err = repartition_check("t", Some(4), 2, &behind)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("from 4 to 2")
+                && err.contains("partition 1")
+                && err.contains("partitions: 4"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -418,6 +418,8 @@ fn sqlserver_sidecar_statements_are_frozen() {
         ),
         ("progress of a partition", sc::progress_sql(s)),
         ("an applier takes a partition", sc::claim_progress_sql(s)),
+        ("partition count of a topic", sc::partitions_sql(s)),
+        ("record the partition count", sc::record_partitions_sql(s)),
         ("batch transaction 1a: fence", sc::advance_progress_sql(s)),
         (
             "batch transaction 1b: first progress",
@@ -470,6 +472,8 @@ fn postgres_sidecar_statements_are_frozen() {
         ),
         ("progress of a partition", sc::progress_sql(s)),
         ("an applier takes a partition", sc::claim_progress_sql(s)),
+        ("partition count of a topic", sc::partitions_sql(s)),
+        ("record the partition count", sc::record_partitions_sql(s)),
         ("batch transaction 1a: fence", sc::advance_progress_sql(s)),
         (
             "batch transaction 1b: first progress",

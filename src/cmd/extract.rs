@@ -3,9 +3,9 @@
 use skein_common::config::Config;
 use skein_common::CheckpointKind;
 use skein_extractor::{AnySource, SledMarkerStore};
-use skein_transporter::kafka::{ensure_topic, KafkaTransport};
+use skein_transporter::kafka::{ensure_topic, watermarks, KafkaTransport};
 
-use super::{kafka, kafka_client, migrated_floor, shutdown_token};
+use super::{kafka, kafka_client, prepare_sidecar, shutdown_token};
 
 /// Runs the extractor until a signal or an error.
 pub async fn extract(cfg: Config) -> anyhow::Result<()> {
@@ -13,9 +13,27 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     let k = kafka(&cfg)?;
     let (kc, topic) = (kafka_client(k), &k.topic);
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
-    // Where the appliers had got to, should the marker be gone.
-    let floor = migrated_floor(&cfg, topic, CheckpointKind::Offset).await?;
     ensure_topic(&kc, topic, k.partitions, k.replication_factor).await?;
+    // Where the appliers had got to, should the marker be gone; a changed
+    // partition count only once every partition is applied to its log end.
+    let floor = prepare_sidecar(&cfg, topic, CheckpointKind::Offset, |known, _| {
+        let count = known.recorded.unwrap_or(0).max(k.partitions);
+        let marks = tokio::task::block_in_place(|| watermarks(&kc, topic, count))?;
+        Ok(marks
+            .iter()
+            .zip(0u32..)
+            .filter_map(|(&(low, high), p)| {
+                let next = known
+                    .progress
+                    .iter()
+                    .find(|(q, _)| *q == p)
+                    .map_or(low, |(_, at)| at.offset());
+                (next < high)
+                    .then(|| format!("partition {p} is applied up to offset {next} of {high}"))
+            })
+            .collect())
+    })
+    .await?;
     let transport = KafkaTransport::new(&kc, topic, k.partitions)?;
     let mut source = AnySource::connect(&cfg).await?;
     skein_extractor::run(&cfg, &mut source, &markers, floor, &transport, cancel).await?;

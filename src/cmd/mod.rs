@@ -15,7 +15,7 @@ pub mod validate;
 
 use anyhow::bail;
 use rdkafka::config::ClientConfig;
-use skein_applier::run::progress_floor;
+use skein_applier::run::{repartition_check, TopicProgress};
 use skein_applier::sidecar::{AnySidecar, Sidecar};
 use skein_applier::sink::{FileSink, KafkaSink, Sink, StdoutSink};
 use skein_common::config::{self, Config, KafkaTransport, Transport};
@@ -47,17 +47,41 @@ pub async fn sidecar(cfg: &Config) -> anyhow::Result<AnySidecar> {
     Ok(AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?)
 }
 
-/// Creates or upgrades the sidecar schema, then reads where the sidecar
-/// says the pipeline had applied to on `topic`: the extractor's fallback
-/// when its marker is gone.
-pub async fn migrated_floor(
+/// Creates or upgrades the sidecar schema; refuses a changed
+/// `transport.partitions` while `behind` (called only then) names
+/// partitions holding records keyed by the old count that are not applied
+/// yet ([`repartition_check`]), else records the count; returns where the
+/// sidecar says the pipeline had applied to on `topic`: the extractor's
+/// fallback when its marker is gone.
+pub async fn prepare_sidecar(
     cfg: &Config,
     topic: &str,
     kind: CheckpointKind,
+    behind: impl FnOnce(&TopicProgress, Option<SourcePosition>) -> anyhow::Result<Vec<String>>,
 ) -> anyhow::Result<Option<SourcePosition>> {
     let mut sc = sidecar(cfg).await?;
     sc.migrate().await?;
-    Ok(progress_floor(&mut sc, cfg, topic, kind).await?)
+    let known = TopicProgress::read(&mut sc, cfg, topic).await?;
+    let floor = known.floor(kind)?;
+    let configured = cfg.transport.partitions();
+    if known.recorded != Some(configured) {
+        let behind = match known.recorded {
+            Some(_) => behind(&known, floor)?,
+            None => vec![],
+        };
+        if repartition_check(topic, known.recorded, configured, &behind)? {
+            sc.record_partitions(&cfg.name, topic, configured).await?;
+            if let Some(from) = known.recorded {
+                info!(
+                    topic,
+                    from,
+                    to = configured,
+                    "transport.partitions changed; nothing was left to apply under the old count"
+                );
+            }
+        }
+    }
+    Ok(floor)
 }
 
 /// The Kafka transport of the config, for the commands that need one.

@@ -5,12 +5,12 @@ use anyhow::bail;
 use skein_applier::relay::{run_relay, RelayScope};
 use skein_common::config::{Config, Transport};
 use skein_common::CheckpointKind;
-use skein_extractor::{AnySource, SledMarkerStore};
+use skein_extractor::{AnySource, MarkerStore, SledMarkerStore};
 use skein_transporter::InProcess;
 use skein_transporter::IN_PROCESS_TOPIC;
 use tokio_util::sync::CancellationToken;
 
-use super::{make_sink, migrated_floor, relay_failure, shutdown_token, sidecar, watch_relay};
+use super::{make_sink, prepare_sidecar, relay_failure, shutdown_token, sidecar, watch_relay};
 
 /// Runs until SIGTERM/SIGINT or an error; stops in order: the extractor
 /// ends → the inbox closes and the appliers drain → the relay drains.
@@ -21,7 +21,23 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     };
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
     let kind = CheckpointKind::Source(cfg.source.dialect());
-    let floor = migrated_floor(&cfg, IN_PROCESS_TOPIC, kind).await?;
+    // Records re-sent after a restart start after the marker (or, without
+    // one, the floor): a partition whose progress is past that point holds
+    // part of a batch the others have not committed, and re-keyed records
+    // landing there would be dropped as applied.
+    let marker = markers.load()?.map(|m| m.position);
+    let floor = prepare_sidecar(&cfg, IN_PROCESS_TOPIC, kind, |known, floor| {
+        let Some(resume) = marker.or(floor) else {
+            return Ok(vec![]);
+        };
+        Ok(known
+            .progress
+            .iter()
+            .filter(|(_, at)| at.position > resume.numeric())
+            .map(|(p, _)| format!("partition {p} has committed part of the batch after {resume}"))
+            .collect())
+    })
+    .await?;
     let mut source = AnySource::connect(&cfg).await?;
     let catalog = source.catalog().clone();
     let (transport, mut inbox) =

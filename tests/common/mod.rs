@@ -306,6 +306,30 @@ impl Env {
         std::fs::read_to_string(self.dir.join("skein.log")).unwrap_or_default()
     }
 
+    /// `skein <cmd>` that should refuse to start: its stderr once it exited
+    /// within `within`, or `None` if it was still running (then killed).
+    pub fn refused_within(&self, cmd: &str, within: Duration) -> Option<String> {
+        let mut child = self
+            .command(&[cmd])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(status) = child.try_wait().unwrap() {
+                let mut err = String::new();
+                std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+                assert!(!status.success(), "skein {cmd} exited cleanly: {err}");
+                return Some(err);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
+    }
+
     /// Waits until everything committed so far is through the pipeline and relayed.
     pub async fn settle(&self, running: &mut Running) {
         self.settle_within(running, Duration::from_secs(60)).await

@@ -206,6 +206,23 @@ pub trait Sidecar {
         partition: u32,
     ) -> impl Future<Output = Result<Option<Progress>>> + Send;
 
+    /// The partition count the records of `group` on `topic` are keyed by,
+    /// as last recorded; `None` before the first record.
+    fn partitions(
+        &mut self,
+        group: &str,
+        topic: &str,
+    ) -> impl Future<Output = Result<Option<u32>>> + Send;
+
+    /// Records the partition count of `group` on `topic` (see
+    /// [`crate::run::guard_partitions`]).
+    fn record_partitions(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partitions: u32,
+    ) -> impl Future<Output = Result<()>> + Send;
+
     /// Stored versions of the given canonical keys of an entity; a key that
     /// never published (or was forgotten by a replay) is absent.
     fn versions(
@@ -388,6 +405,14 @@ impl Sidecar for AnySidecar {
         partition: u32,
     ) -> Result<Option<Progress>> {
         delegate!(self, s => s.claim(group, topic, partition).await)
+    }
+
+    async fn partitions(&mut self, group: &str, topic: &str) -> Result<Option<u32>> {
+        delegate!(self, s => s.partitions(group, topic).await)
+    }
+
+    async fn record_partitions(&mut self, group: &str, topic: &str, n: u32) -> Result<()> {
+        delegate!(self, s => s.record_partitions(group, topic, n).await)
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {

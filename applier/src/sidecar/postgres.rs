@@ -102,6 +102,26 @@ impl Sidecar for PgSidecar {
         .await
     }
 
+    async fn partitions(&mut self, group: &str, topic: &str) -> Result<Option<u32>> {
+        let row = self
+            .client
+            .query_opt(&sc::partitions_sql(&self.schema), &[&group, &topic])
+            .await
+            .map_err(db("reading the recorded partition count"))?;
+        Ok(row.map(|r| r.get::<_, i32>(0).max(0) as u32))
+    }
+
+    async fn record_partitions(&mut self, group: &str, topic: &str, n: u32) -> Result<()> {
+        self.client
+            .execute(
+                &sc::record_partitions_sql(&self.schema),
+                &[&group, &topic, &(n as i32)],
+            )
+            .await
+            .map_err(db("recording the partition count"))?;
+        Ok(())
+    }
+
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
         let rows = self
             .client

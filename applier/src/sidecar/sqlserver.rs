@@ -278,6 +278,32 @@ impl Sidecar for MssqlSidecar {
         progress_query(&mut self.client, what, &sql, group, topic, partition).await
     }
 
+    async fn partitions(&mut self, group: &str, topic: &str) -> Result<Option<u32>> {
+        let rows = self
+            .client
+            .query(
+                "reading the recorded partition count",
+                &sc::partitions_sql(&self.schema),
+                &[&group, &topic],
+            )
+            .await?;
+        Ok(rows.first().and_then(|r| match r.first() {
+            Some(SqlValue::Int(n)) => Some((*n).max(0) as u32),
+            _ => None,
+        }))
+    }
+
+    async fn record_partitions(&mut self, group: &str, topic: &str, n: u32) -> Result<()> {
+        self.client
+            .execute(
+                "recording the partition count",
+                &sc::record_partitions_sql(&self.schema),
+                &[&group, &topic, &(n as i32)],
+            )
+            .await?;
+        Ok(())
+    }
+
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
         let mut out = HashMap::new();
         for chunk in keys.chunks(MAX_PARAMS - 1) {

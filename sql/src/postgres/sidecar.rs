@@ -42,6 +42,24 @@ pub fn claim_progress_sql(schema: &str) -> String {
     )
 }
 
+/// The partition count records of `$1` group on `$2` topic are keyed by.
+pub fn partitions_sql(schema: &str) -> String {
+    format!(
+        "SELECT partitions FROM {}.\"transport\" WHERE group_name = $1 AND topic = $2",
+        qi(schema)
+    )
+}
+
+/// Records `$3` as the partition count of `$1` group on `$2` topic.
+pub fn record_partitions_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"transport\" (group_name, topic, partitions) VALUES ($1, $2, $3) \
+         ON CONFLICT (group_name, topic) DO UPDATE SET partitions = EXCLUDED.partitions, \
+         updated_at = now()",
+        qi(schema)
+    )
+}
+
 /// Stored versions of entity `$1` for the keys in the array `$2`.
 /// Columns: key, etag, is_deleted.
 pub fn versions_sql(schema: &str) -> String {

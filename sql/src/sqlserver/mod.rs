@@ -461,6 +461,15 @@ pub fn sidecar_ddl(schema: &str) -> String {
          ALTER TABLE {s}.[progress] ADD [epoch] bigint NOT NULL DEFAULT 0;\n",
         p = ql(&format!("{s}.[progress]")),
     );
+    out += "\n-- Version 4: the partition count records are keyed by, per group and topic.\n";
+    out += &table(
+        "transport",
+        "  [group_name] nvarchar(200) NOT NULL,\n  \
+         [topic]      nvarchar(400) NOT NULL,\n  \
+         [partitions] int           NOT NULL,\n  \
+         [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
+         PRIMARY KEY ([group_name], [topic])",
+    );
     out += "\n";
     out += &table(
         "batch",

@@ -37,6 +37,25 @@ pub fn claim_progress_sql(schema: &str) -> String {
     )
 }
 
+/// The partition count records of `@P1` group on `@P2` topic are keyed by.
+pub fn partitions_sql(schema: &str) -> String {
+    format!(
+        "SELECT [partitions] FROM {}.[transport] WHERE [group_name] = @P1 AND [topic] = @P2",
+        qi(schema)
+    )
+}
+
+/// Records `@P3` as the partition count of `@P1` group on `@P2` topic.
+pub fn record_partitions_sql(schema: &str) -> String {
+    let q = qi(schema);
+    format!(
+        "UPDATE {q}.[transport] WITH (UPDLOCK, HOLDLOCK) SET [partitions] = @P3, \
+         [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2; \
+         IF @@ROWCOUNT = 0 INSERT INTO {q}.[transport] ([group_name], [topic], [partitions]) \
+         VALUES (@P1, @P2, @P3)"
+    )
+}
+
 /// Fence: moves progress from `@P5` at epoch `@P8` to `@P4` (decimal
 /// texts), with the last source change `@P6`/`@P7`; affects 0 rows when
 /// progress moved or another applier took the partition.

@@ -31,6 +31,17 @@ ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
 -- position written back by a rewind does not let a stale applier through.
 ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "epoch" bigint NOT NULL DEFAULT 0;
 
+-- Version 4: the partition count the extractor keys records by, per group
+-- and topic. A different count re-keys aggregates between partitions, so
+-- the extractor changes it only when no partition holds unapplied records.
+CREATE TABLE IF NOT EXISTS "skein"."transport" (
+  "group_name" text        NOT NULL,
+  "topic"      text        NOT NULL,
+  "partitions" integer     NOT NULL,
+  "updated_at" timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ("group_name", "topic")
+);
+
 CREATE TABLE IF NOT EXISTS "skein"."batch" (
   "id"             bigserial   PRIMARY KEY,
   "correlation_id" uuid        NOT NULL UNIQUE,

@@ -11,6 +11,12 @@ SELECT position::text, source_commit, source_seq, epoch FROM "skein"."progress" 
 -- an applier takes a partition
 UPDATE "skein"."progress" SET epoch = epoch + 1 WHERE group_name = $1 AND topic = $2 AND partition = $3 RETURNING position::text, source_commit, source_seq, epoch;
 
+-- partition count of a topic
+SELECT partitions FROM "skein"."transport" WHERE group_name = $1 AND topic = $2;
+
+-- record the partition count
+INSERT INTO "skein"."transport" (group_name, topic, partitions) VALUES ($1, $2, $3) ON CONFLICT (group_name, topic) DO UPDATE SET partitions = EXCLUDED.partitions, updated_at = now();
+
 -- batch transaction 1a: fence
 UPDATE "skein"."progress" SET position = $4::text::numeric, source_commit = $6, source_seq = $7, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5::text::numeric AND epoch = $8;
 

@@ -24,6 +24,16 @@ CREATE TABLE [skein].[progress] (
 IF COL_LENGTH(N'[skein].[progress]', N'epoch') IS NULL
     ALTER TABLE [skein].[progress] ADD [epoch] bigint NOT NULL DEFAULT 0;
 
+-- Version 4: the partition count records are keyed by, per group and topic.
+IF OBJECT_ID(N'[skein].[transport]', N'U') IS NULL
+CREATE TABLE [skein].[transport] (
+  [group_name] nvarchar(200) NOT NULL,
+  [topic]      nvarchar(400) NOT NULL,
+  [partitions] int           NOT NULL,
+  [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
+  PRIMARY KEY ([group_name], [topic])
+);
+
 IF OBJECT_ID(N'[skein].[batch]', N'U') IS NULL
 CREATE TABLE [skein].[batch] (
   [id]             bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,

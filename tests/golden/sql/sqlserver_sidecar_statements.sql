@@ -10,6 +10,12 @@ SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] 
 -- an applier takes a partition
 UPDATE [skein].[progress] SET [epoch] = [epoch] + 1 OUTPUT CAST(inserted.[position] AS nvarchar(40)), inserted.[source_commit], inserted.[source_seq], inserted.[epoch] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
 
+-- partition count of a topic
+SELECT [partitions] FROM [skein].[transport] WHERE [group_name] = @P1 AND [topic] = @P2;
+
+-- record the partition count
+UPDATE [skein].[transport] WITH (UPDLOCK, HOLDLOCK) SET [partitions] = @P3, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2; IF @@ROWCOUNT = 0 INSERT INTO [skein].[transport] ([group_name], [topic], [partitions]) VALUES (@P1, @P2, @P3);
+
 -- batch transaction 1a: fence
 UPDATE [skein].[progress] SET [position] = CAST(@P4 AS decimal(25,0)), [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = CAST(@P5 AS decimal(25,0)) AND [epoch] = @P8;
 
