@@ -33,8 +33,13 @@ struct Msg {
 /// broker longer than any idle window), then stops once nothing arrived
 /// for 2 s.
 fn read_topic(topic: &str) -> Vec<Msg> {
+    read_topic_at(&kafka_brokers_required(), topic)
+}
+
+/// [`read_topic`] on the broker at `brokers`.
+fn read_topic_at(brokers: &str, topic: &str) -> Vec<Msg> {
     let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", kafka_brokers_required())
+        .set("bootstrap.servers", brokers)
         .set(
             "group.id",
             format!("skein-test-reader-{}", std::process::id()),
@@ -701,22 +706,19 @@ async fn replay_never_gives_up_records_the_log_still_holds() {
     assert_eq!(subjects, ["customer.1", "customer.2"]);
 }
 
-/// A relay that cannot deliver (an event larger than the sink producer's
-/// `message.max.bytes`) stops the pipeline with an error naming the outbox
-/// rows, instead of dying quietly while extraction and applying go on
-/// (issue 10, defect 4, the part that makes a dead relay visible).
-#[tokio::test(flavor = "multi_thread")]
-async fn a_relay_that_cannot_deliver_stops_the_pipeline() {
-    let prefix = fresh_topic("dead_relay_events");
-    let env = Env::new("dead_relay", |y| {
+/// `skein run` (itself: the sink's `kind: kafka` would make the harness
+/// start `extract` + `apply`) with a Kafka sink whose producer takes at
+/// most 1,000 bytes (plus `sink_extra` in the sink section), after a
+/// customer too large for it was inserted. Returns the sink's topic prefix.
+async fn publish_an_event_too_large(name: &str, sink_extra: &str) -> (Env, Running, String) {
+    let prefix = fresh_topic(&format!("{name}_events"));
+    let env = Env::new(name, |y| {
         kafka_sink(y, &prefix, "structured").replace(
             "  topic_prefix:",
-            "  kafka_properties: { message.max.bytes: \"1000\" }\n  topic_prefix:",
+            &format!("{sink_extra}  kafka_properties: {{ message.max.bytes: \"1000\" }}\n  topic_prefix:"),
         )
     })
     .await;
-    // `skein run` itself (the sink's `kind: kafka` would make the harness
-    // start `extract` + `apply`).
     let mut run = Running { children: vec![] };
     env.spawn_into(&mut run, "run", &[]);
     env.wait_streaming(&mut run).await;
@@ -725,13 +727,158 @@ async fn a_relay_that_cannot_deliver_stops_the_pipeline() {
         "x".repeat(2000)
     ))
     .await;
+    (env, run, prefix)
+}
+
+/// A relay that cannot deliver (an event larger than the sink producer's
+/// `message.max.bytes`) stops the pipeline with an error naming the outbox
+/// rows, instead of dying quietly while extraction and applying go on
+/// (issue 10, defect 4, the part that makes a dead relay visible).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_that_cannot_deliver_stops_the_pipeline() {
+    let (env, run, _) = publish_an_event_too_large("dead_relay", "").await;
     let status = run.wait_exit(Duration::from_secs(60));
     let log = env.log();
     assert!(!status.success(), "{log}");
     assert!(
-        log.contains("relay") && log.contains("outbox"),
-        "the error must say the relay stopped and which outbox rows:\n{log}"
+        log.contains("relay")
+            && log.contains("rejected outbox row 1 ")
+            && log.contains("sink.on_reject"),
+        "the error must say the relay stopped, which outbox row and what to do:\n{log}"
     );
+    let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    let relay = &status["relays"][0];
+    assert_eq!(relay["state"], "stopped", "{status}");
+    assert!(
+        relay["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("outbox row 1"),
+        "{status}"
+    );
+}
+
+/// With `sink.on_reject: dead_letter` an event the broker will never take
+/// goes to `<prefix>.dlq` with its outbox id and the error, and the events
+/// after it are delivered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rejected_event_goes_to_the_dead_letter_and_the_relay_goes_on() {
+    let (env, mut run, prefix) =
+        publish_an_event_too_large("dlq_relay", "  on_reject: dead_letter\n").await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (2, 'Bob');",
+    )
+    .await;
+    run.stop(&env);
+    let big: i64 = env
+        .db
+        .query_one("SELECT id FROM skein.outbox WHERE key = '[\"1\"]'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let dlq = read_topic(&format!("{prefix}.dlq"));
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    let record: Value = serde_json::from_slice(&dlq[0].value).unwrap();
+    assert_eq!(record["outbox_id"], big, "{record}");
+    assert_eq!(record["entity"], "customer");
+    assert!(
+        record["error"].as_str().unwrap().contains("too large"),
+        "{record}"
+    );
+    let events = read_topic(&format!("{prefix}.customer"));
+    let keys: Vec<_> = events.iter().map(|m| m.key.clone().unwrap()).collect();
+    assert_eq!(
+        keys,
+        vec!["2"],
+        "the event after the rejected one is delivered"
+    );
+}
+
+/// A sink broker that is away longer than librdkafka's delivery timeout
+/// is retried with backoff: `skein run` keeps running, `skein status` says
+/// `retrying` with the error, and the event arrives once the broker is up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sink_outage_is_retried_until_the_broker_is_back() {
+    // A port nothing listens on yet; the broker is started there later.
+    let port = 59_150 + (std::process::id() % 40) as u16;
+    let brokers = format!("127.0.0.1:{port}");
+    let prefix = fresh_topic("outage_events");
+    let env = Env::new("sink_outage", |y| {
+        kafka_sink(y, &prefix, "structured")
+            .replace(
+                &format!("brokers: {}", kafka_brokers_required()),
+                &format!("brokers: {brokers}"),
+            )
+            .replace(
+                "  topic_prefix:",
+                "  kafka_properties: { message.timeout.ms: \"2000\" }\n  topic_prefix:",
+            )
+    })
+    .await;
+    let mut run = Running { children: vec![] };
+    env.spawn_into(&mut run, "run", &[]);
+    env.wait_streaming(&mut run).await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    let t0 = Instant::now();
+    loop {
+        run.check_alive(&env);
+        let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+        if status["relays"][0]["state"] == "retrying" {
+            assert!(
+                status["relays"][0]["last_error"]
+                    .as_str()
+                    .unwrap()
+                    .contains("outbox rows 1..=1"),
+                "{status}"
+            );
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{status}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Longer than the delivery timeout: the relay keeps retrying.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    run.check_alive(&env);
+    let started = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "SKEIN_KAFKA_KEEP=1 source scripts/lib/kafka.sh && skein_kafka_start noida {port}"
+        ))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        started.status.success(),
+        "{}",
+        String::from_utf8_lossy(&started.stderr)
+    );
+    let stop_broker = scopeguard(port);
+    env.settle_within(&mut run, Duration::from_secs(90)).await;
+    run.stop(&env);
+    let events = read_topic_at(&brokers, &format!("{prefix}.customer"));
+    assert_eq!(events.len(), 1, "{events:?}");
+    let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    assert_eq!(status["relays"][0]["state"], "stopped", "{status}");
+    assert!(
+        status["relays"][0]["last_error"].is_string(),
+        "the last error is kept: {status}"
+    );
+    drop(stop_broker);
+}
+
+/// Stops the broker on `port` when dropped (also when the test fails).
+fn scopeguard(port: u16) -> impl Drop {
+    struct Stop(u16);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            if let Ok(pid) = std::fs::read_to_string(format!("/tmp/skein-kafka-{}/pid", self.0)) {
+                let _ = std::process::Command::new("kill").arg(pid.trim()).status();
+            }
+        }
+    }
+    Stop(port)
 }
 
 /// Changing `transport.partitions` re-keys aggregates. With records still

@@ -144,6 +144,35 @@ async fn contract<S: Sidecar>(mut sc: S, source: impl Fn(u8) -> SourcePosition) 
         None
     );
 
+    // The partition count records are keyed by.
+    assert_eq!(sc.partitions("contract", "in-process").await.unwrap(), None);
+    sc.record_partitions("contract", "in-process", 4)
+        .await
+        .unwrap();
+    sc.record_partitions("contract", "in-process", 2)
+        .await
+        .unwrap();
+    assert_eq!(
+        sc.partitions("contract", "in-process").await.unwrap(),
+        Some(2)
+    );
+    assert_eq!(sc.partitions("contract", "orders").await.unwrap(), None);
+
+    // A relay's state keeps its last error until the next one.
+    sc.relay_report("relay", "running", None).await.unwrap();
+    sc.relay_report("relay", "retrying", Some("broker away"))
+        .await
+        .unwrap();
+    sc.relay_report("relay", "running", None).await.unwrap();
+    let states = sc.relay_states().await.unwrap();
+    assert_eq!(states.len(), 1, "{states:?}");
+    assert_eq!(
+        (states[0].name.as_str(), states[0].state.as_str()),
+        ("relay", "running")
+    );
+    assert_eq!(states[0].last_error.as_deref(), Some("broker away"));
+    assert!(states[0].error_at.is_some() && !states[0].updated_at.is_empty());
+
     // First commit: no progress row yet.
     let first = batch(None, source(10).numeric(), source(10), 1, 1);
     sc.commit(&first).await.unwrap();
@@ -449,6 +478,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
         Box::new(Tagged("a", log.clone(), Duration::from_millis(15))),
         3,
         RelayScope::Partitions(owned_a.clone()),
+        "apply a".into(),
         cancel_a.clone(),
     ));
     let relay_b = tokio::spawn(run_relay(
@@ -456,6 +486,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
         Box::new(Tagged("b", log.clone(), Duration::ZERO)),
         2,
         RelayScope::Partitions(owned_b.clone()),
+        "apply b".into(),
         cancel_b.clone(),
     ));
 

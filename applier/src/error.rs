@@ -37,7 +37,14 @@ pub enum Error {
     /// The transport failed to deliver or to acknowledge.
     #[error(transparent)]
     Transport(#[from] skein_transporter::Error),
-    /// The sink could not take the events.
+    /// The sink will never take these events (every other event of the
+    /// send was delivered).
+    #[error("the sink rejected {}; {hint}", rejected_list(rejected))]
+    SinkRejected {
+        rejected: Vec<crate::sink::Rejected>,
+        hint: &'static str,
+    },
+    /// The sink could not take the events (worth retrying).
     #[error("sink: {message}")]
     Sink {
         message: String,
@@ -67,4 +74,11 @@ pub(crate) fn db(context: impl Into<String>) -> impl FnOnce(tokio_postgres::Erro
 /// A fence in an error message: `none` before the first commit.
 fn show(f: &Option<Fence>) -> String {
     f.map_or_else(|| "none".into(), |f| f.to_string())
+}
+
+fn rejected_list(r: &[crate::sink::Rejected]) -> String {
+    r.iter()
+        .map(|r| format!("outbox row {} ({}): {}", r.outbox_id, r.entity, r.reason))
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span, Instrument};
+use tracing::{info, info_span, warn, Instrument};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::sidecar::Sidecar;
 use crate::sink::Sink;
 
@@ -51,12 +51,27 @@ pub async fn relay_once<S: Sidecar>(
     sidecar.relay_once(limit, owned.as_deref(), sink).await
 }
 
-/// Relays until cancelled, then drains what is pending once more.
+/// First and longest wait between attempts after a transient failure.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(200), Duration::from_secs(30));
+
+/// Whether a relay failure may pass by itself: the sink is away (a broker
+/// outage, a full disk). A rejected event (`sink.on_reject: stop`), bad
+/// data or a lost sidecar connection stops the relay, and the process.
+pub fn is_transient(e: &Error) -> bool {
+    matches!(e, Error::Sink { .. })
+}
+
+/// Relays until cancelled, then drains what is pending once more. A
+/// transient failure is retried with exponential backoff (the rows stay
+/// pending and keep their order); any other stops the relay with the
+/// error. Its state and last error are reported to the sidecar under
+/// `name` (`skein status`); the report is best effort.
 pub async fn run_relay<S: Sidecar + Send>(
     mut sidecar: S,
     mut sink: Box<dyn Sink>,
     limit: i64,
     scope: RelayScope,
+    name: String,
     cancel: CancellationToken,
 ) -> Result<()> {
     async move {
@@ -74,12 +89,14 @@ pub async fn run_relay<S: Sidecar + Send>(
                         "a relay of every partition"
                     }
                 );
+                report(&mut sidecar, &name, "standing by", None).await;
                 standing_by = true;
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 _ = cancel.cancelled() => {
                     info!("relay stopped while standing by");
+                    report(&mut sidecar, &name, "stopped", None).await;
                     return Ok(());
                 }
             }
@@ -87,9 +104,38 @@ pub async fn run_relay<S: Sidecar + Send>(
         if standing_by {
             info!("relay lease taken; relaying");
         }
+        report(&mut sidecar, &name, "running", None).await;
         let mut total = 0usize;
+        let mut backoff = BACKOFF.0;
+        let mut failures = 0u32;
         loop {
-            let n = relay_once(&mut sidecar, sink.as_mut(), limit, &scope).await?;
+            let n = match relay_once(&mut sidecar, sink.as_mut(), limit, &scope).await {
+                Ok(n) => n,
+                Err(e) if is_transient(&e) => {
+                    failures += 1;
+                    warn!(error = %e, attempt = failures, retry_in = ?backoff, "relay failed; retrying (the rows stay pending, in order)");
+                    report(&mut sidecar, &name, "retrying", Some(&e.to_string())).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = cancel.cancelled() => {
+                            warn!(error = %e, "relay stopped while retrying; the pending rows are sent at the next start");
+                            report(&mut sidecar, &name, "stopped", None).await;
+                            return Ok(());
+                        }
+                    }
+                    backoff = (backoff * 2).min(BACKOFF.1);
+                    continue;
+                }
+                Err(e) => {
+                    report(&mut sidecar, &name, "stopped", Some(&e.to_string())).await;
+                    return Err(e);
+                }
+            };
+            if failures > 0 {
+                info!(attempts = failures + 1, "relay recovered");
+                report(&mut sidecar, &name, "running", None).await;
+                (failures, backoff) = (0, BACKOFF.0);
+            }
             total += n;
             if n > 0 {
                 tracing::debug!(sent = n, "relayed");
@@ -104,8 +150,16 @@ pub async fn run_relay<S: Sidecar + Send>(
             }
         }
         info!(sent = total, "relay stopped");
+        report(&mut sidecar, &name, "stopped", None).await;
         Ok(())
     }
     .instrument(info_span!("relay"))
     .await
+}
+
+/// Best effort: a relay that cannot report its state still relays.
+async fn report<S: Sidecar>(sidecar: &mut S, name: &str, state: &str, error: Option<&str>) {
+    if let Err(e) = sidecar.relay_report(name, state, error).await {
+        warn!(error = %e, state, "could not record the relay's state in the sidecar");
+    }
 }

@@ -14,14 +14,71 @@ use crate::error::{Error, Result};
 /// over (flushed and synced for files). A failed or interrupted `send` may
 /// have delivered some events; the relay sends them again with the same id
 /// (at-least-once), so receivers dedupe by event id.
+/// A sink reports an event it will never take (too large, refused by the
+/// broker) as [`Error::SinkRejected`], having delivered every other event
+/// of the call; any other error is worth retrying (the broker is away, the
+/// disk is full).
 pub trait Sink: Send {
     /// Sends events, in order.
     fn send(&mut self, events: &[SinkEvent]) -> Result<()>;
+
+    /// Records rejected events in this sink's dead letter (`sink.on_reject:
+    /// dead_letter`), durably before returning.
+    fn dead_letter(&mut self, rejected: &[Rejected]) -> Result<()> {
+        Err(Error::SinkRejected {
+            rejected: rejected.to_vec(),
+            hint: "this sink has no dead letter",
+        })
+    }
+}
+
+/// An event a sink rejected for good.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejected {
+    /// Its outbox row.
+    pub outbox_id: i64,
+    /// Its entity.
+    pub entity: String,
+    /// Why.
+    pub reason: String,
+}
+
+impl Rejected {
+    /// The dead-letter record: outbox id, entity and error as JSON. The
+    /// event itself stays in the outbox row (it may be what was too large).
+    pub fn record(&self) -> String {
+        serde_json::json!({
+            "outbox_id": self.outbox_id,
+            "entity": self.entity,
+            "error": self.reason,
+        })
+        .to_string()
+    }
+}
+
+/// `sink.on_reject: dead_letter`: events the inner sink rejects go to its
+/// dead letter and the relay goes on; any other failure passes through.
+pub struct DeadLettering(pub Box<dyn Sink>);
+
+impl Sink for DeadLettering {
+    fn send(&mut self, events: &[SinkEvent]) -> Result<()> {
+        match self.0.send(events) {
+            Err(Error::SinkRejected { rejected, .. }) => {
+                for r in &rejected {
+                    tracing::warn!(outbox_id = r.outbox_id, entity = %r.entity, error = %r.reason, "the sink rejected an event; recorded in its dead letter");
+                }
+                self.0.dead_letter(&rejected)
+            }
+            other => other,
+        }
+    }
 }
 
 /// One outbox row on its way to a sink.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SinkEvent {
+    /// The outbox row's id.
+    pub outbox_id: i64,
     /// The entity (the Kafka sink's topic suffix).
     pub entity: String,
     /// The CloudEvent, structured JSON.
@@ -113,6 +170,22 @@ impl Sink for FileSink {
         }
         Ok(())
     }
+
+    /// `<path>.dlq`, one JSON record per line, synced.
+    fn dead_letter(&mut self, rejected: &[Rejected]) -> Result<()> {
+        let mut path = self.path.clone().into_os_string();
+        path.push(".dlq");
+        let mut f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(io("opening the sink's dead-letter file"))?;
+        let text: String = rejected.iter().map(|r| r.record() + "\n").collect();
+        f.write_all(text.as_bytes())
+            .map_err(io("writing the sink's dead-letter file"))?;
+        f.sync_data()
+            .map_err(io("syncing the sink's dead-letter file"))
+    }
 }
 
 /// Kafka sink: topic `{topic_prefix}.{entity}`, key = the event's `key`
@@ -126,27 +199,49 @@ pub struct KafkaSink {
     mode: EventMode,
 }
 
-/// Collects delivery failures of a send.
+/// Collects delivery failures of a send: outbox id, whether the broker
+/// will never take the event, and the error.
 #[derive(Default)]
 pub struct DeliveryLog {
-    failures: std::sync::Mutex<Vec<String>>,
+    failures: std::sync::Mutex<Vec<(i64, bool, String)>>,
 }
 
 impl rdkafka::ClientContext for DeliveryLog {}
 
 impl rdkafka::producer::ProducerContext for DeliveryLog {
-    type DeliveryOpaque = ();
-    fn delivery(&self, result: &rdkafka::message::DeliveryResult<'_>, _: ()) {
+    type DeliveryOpaque = Box<i64>;
+    fn delivery(&self, result: &rdkafka::message::DeliveryResult<'_>, outbox_id: Box<i64>) {
         if let Err((e, m)) = result {
             if let Ok(mut f) = self.failures.lock() {
-                f.push(format!(
-                    "{} [{}]: {e}",
-                    rdkafka::Message::topic(m),
-                    rdkafka::Message::partition(m)
+                f.push((
+                    *outbox_id,
+                    is_permanent(e),
+                    format!(
+                        "{} [{}]: {e}",
+                        rdkafka::Message::topic(m),
+                        rdkafka::Message::partition(m)
+                    ),
                 ));
             }
         }
     }
+}
+
+/// Errors after which the broker will never take this event as it is.
+fn is_permanent(e: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            C::MessageSizeTooLarge
+                | C::InvalidMessageSize
+                | C::InvalidMessage
+                | C::InvalidRecord
+                | C::InvalidTopic
+                | C::TopicAuthorizationFailed
+                | C::PolicyViolation
+        )
+    )
 }
 
 impl KafkaSink {
@@ -243,65 +338,157 @@ pub fn kafka_binding(event: &str, mode: EventMode) -> Result<KafkaMessage> {
     })
 }
 
-impl Sink for KafkaSink {
-    fn send(&mut self, events: &[SinkEvent]) -> Result<()> {
+impl KafkaSink {
+    /// Enqueues one message for `outbox_id`, waiting while the queue is
+    /// full; an error is returned as librdkafka gave it.
+    fn enqueue(
+        &self,
+        topic: &str,
+        key: &str,
+        value: &[u8],
+        headers: &[(String, String)],
+        outbox_id: i64,
+    ) -> std::result::Result<(), rdkafka::error::KafkaError> {
         use rdkafka::message::{Header, OwnedHeaders};
-        use rdkafka::producer::{BaseRecord, Producer};
-        let kafka_err = |what: &str, e: rdkafka::error::KafkaError| Error::Sink {
-            message: format!("{what}: {e}"),
-            source: None,
-        };
-        if let Ok(mut f) = self.producer.context().failures.lock() {
-            f.clear();
+        use rdkafka::producer::BaseRecord;
+        let mut h = OwnedHeaders::new_with_capacity(headers.len());
+        for (k, v) in headers {
+            h = h.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
         }
-        for e in events {
-            let KafkaMessage {
-                key,
-                headers,
-                value,
-            } = kafka_binding(&e.event, self.mode)?;
-            let mut h = OwnedHeaders::new_with_capacity(headers.len());
-            for (k, v) in &headers {
-                h = h.insert(Header {
-                    key: k,
-                    value: Some(v.as_bytes()),
-                });
-            }
-            let topic = self.topic(&e.entity);
-            let mut record = BaseRecord::to(&topic).key(&key).payload(&value).headers(h);
-            loop {
-                match self.producer.send(record) {
-                    Ok(()) => break,
-                    Err((
-                        rdkafka::error::KafkaError::MessageProduction(
-                            rdkafka::types::RDKafkaErrorCode::QueueFull,
-                        ),
-                        r,
-                    )) => {
-                        record = r;
-                        self.producer.poll(std::time::Duration::from_millis(10));
-                    }
-                    Err((err, _)) => return Err(kafka_err("enqueuing an event", err)),
+        let mut record = BaseRecord::with_opaque_to(topic, Box::new(outbox_id))
+            .key(key)
+            .payload(value)
+            .headers(h);
+        loop {
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((
+                    rdkafka::error::KafkaError::MessageProduction(
+                        rdkafka::types::RDKafkaErrorCode::QueueFull,
+                    ),
+                    r,
+                )) => {
+                    record = r;
+                    self.producer.poll(std::time::Duration::from_millis(10));
                 }
+                Err((err, _)) => return Err(err),
             }
         }
+    }
+
+    /// Waits until the broker acknowledged or refused everything enqueued;
+    /// returns the refusals (outbox id, permanent, error).
+    fn settle(&self) -> Result<Vec<(i64, bool, String)>> {
+        use rdkafka::producer::Producer;
         self.producer
             .flush(std::time::Duration::from_secs(60))
-            .map_err(|e| kafka_err("waiting for the broker to acknowledge events", e))?;
-        let failures = self
+            .map_err(|e| Error::Sink {
+                message: format!("waiting for the broker to acknowledge events: {e}"),
+                source: None,
+            })?;
+        Ok(self
             .producer
             .context()
             .failures
             .lock()
-            .map(|f| f.clone())
-            .unwrap_or_default();
-        if !failures.is_empty() {
+            .map(|mut f| std::mem::take(&mut *f))
+            .unwrap_or_default())
+    }
+}
+
+/// Every failure as a sink error: rejections only when all are permanent.
+fn delivery_outcome(
+    rejected: Vec<Rejected>,
+    failures: Vec<(i64, bool, String)>,
+    entity_of: impl Fn(i64) -> String,
+) -> Result<()> {
+    if failures.iter().any(|(_, permanent, _)| !permanent) {
+        let all: Vec<String> = failures
+            .iter()
+            .map(|(id, _, e)| format!("outbox row {id}: {e}"))
+            .collect();
+        return Err(Error::Sink {
+            message: format!("{} event(s) not delivered: {}", all.len(), all.join("; ")),
+            source: None,
+        });
+    }
+    let mut rejected = rejected;
+    rejected.extend(failures.into_iter().map(|(id, _, reason)| Rejected {
+        outbox_id: id,
+        entity: entity_of(id),
+        reason,
+    }));
+    if rejected.is_empty() {
+        return Ok(());
+    }
+    rejected.sort_by_key(|r| r.outbox_id);
+    Err(Error::SinkRejected {
+        rejected,
+        hint: "set `sink.on_reject: dead_letter` to record such events in the sink's dead letter and go on",
+    })
+}
+
+impl Sink for KafkaSink {
+    fn send(&mut self, events: &[SinkEvent]) -> Result<()> {
+        use rdkafka::producer::Producer;
+        if let Ok(mut f) = self.producer.context().failures.lock() {
+            f.clear();
+        }
+        let mut rejected = vec![];
+        for e in events {
+            let reject = |reason: String| Rejected {
+                outbox_id: e.outbox_id,
+                entity: e.entity.clone(),
+                reason,
+            };
+            let m = match kafka_binding(&e.event, self.mode) {
+                Ok(m) => m,
+                Err(err) => {
+                    rejected.push(reject(err.to_string()));
+                    continue;
+                }
+            };
+            let topic = self.topic(&e.entity);
+            match self.enqueue(&topic, &m.key, &m.value, &m.headers, e.outbox_id) {
+                Ok(()) => {}
+                Err(err) if is_permanent(&err) => rejected.push(reject(format!("{topic}: {err}"))),
+                Err(err) => {
+                    return Err(Error::Sink {
+                        message: format!("enqueuing an event: {err}"),
+                        source: None,
+                    })
+                }
+            }
+        }
+        let failures = self.settle()?;
+        delivery_outcome(rejected, failures, |id| {
+            events
+                .iter()
+                .find(|e| e.outbox_id == id)
+                .map(|e| e.entity.clone())
+                .unwrap_or_default()
+        })
+    }
+
+    /// Topic `<topic_prefix>.dlq`: key the outbox id, value
+    /// [`Rejected::record`].
+    fn dead_letter(&mut self, rejected: &[Rejected]) -> Result<()> {
+        let topic = format!("{}.dlq", self.topic_prefix);
+        for r in rejected {
+            let key = r.outbox_id.to_string();
+            self.enqueue(&topic, &key, r.record().as_bytes(), &[], r.outbox_id)
+                .map_err(|e| Error::Sink {
+                    message: format!("sending outbox row {} to `{topic}`: {e}", r.outbox_id),
+                    source: None,
+                })?;
+        }
+        let failures = self.settle()?;
+        if let Some((id, _, e)) = failures.first() {
             return Err(Error::Sink {
-                message: format!(
-                    "{} event(s) not delivered: {}",
-                    failures.len(),
-                    failures.join("; ")
-                ),
+                message: format!("sending outbox row {id} to `{topic}`: {e}"),
                 source: None,
             });
         }
@@ -347,6 +534,7 @@ mod tests {
         std::fs::write(&p, "{\"a\":1}\n{\"b\":").unwrap();
         let mut s = FileSink::open(&p, false).unwrap();
         s.send(&[SinkEvent {
+            outbox_id: 1,
             entity: "x".into(),
             event: "{\"c\":3}".into(),
         }])
@@ -357,5 +545,92 @@ mod tests {
             "{\"a\":1}\n{\"c\":3}\n"
         );
         let _ = std::fs::remove_file(&p);
+    }
+
+    /// A sink that rejects events whose text contains "big"; what it
+    /// delivered and dead-lettered is shared with the test.
+    #[derive(Clone, Default)]
+    struct Picky(std::sync::Arc<std::sync::Mutex<(Vec<String>, Vec<String>)>>);
+
+    impl Sink for Picky {
+        fn send(&mut self, events: &[SinkEvent]) -> Result<()> {
+            let mut rejected = vec![];
+            for e in events {
+                if e.event.contains("big") {
+                    rejected.push(Rejected {
+                        outbox_id: e.outbox_id,
+                        entity: e.entity.clone(),
+                        reason: "too large".into(),
+                    });
+                } else {
+                    self.0.lock().unwrap().0.push(e.event.clone());
+                }
+            }
+            if rejected.is_empty() {
+                Ok(())
+            } else {
+                Err(Error::SinkRejected {
+                    rejected,
+                    hint: "h",
+                })
+            }
+        }
+
+        fn dead_letter(&mut self, rejected: &[Rejected]) -> Result<()> {
+            self.0
+                .lock()
+                .unwrap()
+                .1
+                .extend(rejected.iter().map(Rejected::record));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn dead_lettering_sets_rejected_events_aside_and_goes_on() {
+        let ev = |id: i64, text: &str| SinkEvent {
+            outbox_id: id,
+            entity: "customer".into(),
+            event: text.into(),
+        };
+        let events = [ev(7, "a"), ev(8, "big"), ev(9, "c")];
+        let err = Picky::default().send(&events).unwrap_err().to_string();
+        assert!(err.contains("outbox row 8 (customer): too large"), "{err}");
+        let inner = Picky::default();
+        DeadLettering(Box::new(inner.clone()))
+            .send(&events)
+            .unwrap();
+        let (sent, dead) = inner.0.lock().unwrap().clone();
+        assert_eq!(sent, vec!["a", "c"]);
+        assert_eq!(
+            dead,
+            vec![r#"{"entity":"customer","error":"too large","outbox_id":8}"#]
+        );
+        // A sink without a dead letter refuses rather than dropping.
+        let mut stdout = DeadLettering(Box::new(StdoutSink));
+        assert!(stdout.0.dead_letter(&[]).is_err());
+    }
+
+    #[test]
+    fn only_permanent_delivery_failures_are_rejections() {
+        let entity = |_| "customer".to_string();
+        assert!(delivery_outcome(vec![], vec![], entity).is_ok());
+        let transient = delivery_outcome(
+            vec![],
+            vec![
+                (3, true, "too large".into()),
+                (4, false, "timed out".into()),
+            ],
+            entity,
+        );
+        assert!(
+            matches!(transient, Err(Error::Sink { .. })),
+            "{transient:?}"
+        );
+        let permanent = delivery_outcome(vec![], vec![(3, true, "too large".into())], entity);
+        let Err(Error::SinkRejected { rejected, .. }) = permanent else {
+            panic!("{permanent:?}")
+        };
+        assert_eq!(rejected[0].outbox_id, 3);
     }
 }

@@ -444,6 +444,8 @@ fn sqlserver_sidecar_statements_are_frozen() {
         ("relay: mark dequeued", sc::relay_mark_sql(s, &[41, 42])),
         ("relay lease, all partitions", sc::relay_lease_sql(true)),
         ("relay lease, owned partitions", sc::relay_lease_sql(false)),
+        ("relay: report its state", sc::relay_report_sql(s)),
+        ("status: relay states", sc::relay_states_sql(s)),
         ("replay: rewind a partition", sc::rewind_sql(s)),
         (
             "replay --republish: forget two versions",
@@ -506,6 +508,8 @@ fn postgres_sidecar_statements_are_frozen() {
             "relay lease holders",
             sc::relay_lease_holders_sql().to_string(),
         ),
+        ("relay: report its state", sc::relay_report_sql(s)),
+        ("status: relay states", sc::relay_states_sql(s)),
         ("replay: rewind a partition", sc::rewind_sql(s)),
         (
             "replay --republish: forget versions",

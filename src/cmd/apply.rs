@@ -31,6 +31,12 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
             make_sink(&cfg)?,
             cfg.relay_batch,
             RelayScope::Partitions(owned.clone()),
+            format!(
+                "apply {}",
+                instance_id
+                    .clone()
+                    .unwrap_or_else(|| format!("pid {}", std::process::id()))
+            ),
             relay_cancel.clone(),
         )))
     } else {

@@ -17,15 +17,16 @@ use anyhow::bail;
 use rdkafka::config::ClientConfig;
 use skein_applier::run::{repartition_check, TopicProgress};
 use skein_applier::sidecar::{AnySidecar, Sidecar};
-use skein_applier::sink::{FileSink, KafkaSink, Sink, StdoutSink};
+use skein_applier::sink::{DeadLettering, FileSink, KafkaSink, Sink, StdoutSink};
 use skein_common::config::{self, Config, KafkaTransport, Transport};
 use skein_common::{CheckpointKind, SourcePosition};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-/// The configured sink.
+/// The configured sink; with `sink.on_reject: dead_letter`, events it
+/// rejects go to its dead letter.
 pub fn make_sink(cfg: &Config) -> anyhow::Result<Box<dyn Sink>> {
-    Ok(match &cfg.sink {
+    let sink: Box<dyn Sink> = match &cfg.sink {
         config::Sink::Stdout => Box::new(StdoutSink),
         config::Sink::File { path, also_stdout } => Box::new(FileSink::open(path, *also_stdout)?),
         config::Sink::Kafka {
@@ -39,6 +40,10 @@ pub fn make_sink(cfg: &Config) -> anyhow::Result<Box<dyn Sink>> {
             topic_prefix,
             *mode,
         )?),
+    };
+    Ok(match cfg.on_reject {
+        config::OnReject::Stop => sink,
+        config::OnReject::DeadLetter => Box::new(DeadLettering(sink)),
     })
 }
 

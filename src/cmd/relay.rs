@@ -14,6 +14,7 @@ pub async fn relay(cfg: Config) -> anyhow::Result<()> {
         make_sink(&cfg)?,
         cfg.relay_batch,
         RelayScope::All,
+        "relay".into(),
         cancel,
     )
     .await?;

@@ -56,6 +56,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         make_sink(&cfg)?,
         cfg.relay_batch,
         RelayScope::All,
+        "relay".into(),
         relay_cancel.clone(),
     ));
     let extraction = skein_extractor::run(

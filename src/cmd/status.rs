@@ -6,7 +6,11 @@
 //!   log end and the lag between them;
 //! * `outbox`: rows not yet relayed and the age of the oldest;
 //! * `relay_lease`: how many relays hold the sidecar's relay lease (one of
-//!   every partition, or any number of partition relays; others stand by).
+//!   every partition, or any number of partition relays; others stand by);
+//! * `relays`: each relay's last reported state (`standing by`, `running`,
+//!   `retrying`, `stopped`) and last error with its time. A relay killed
+//!   without a chance to report keeps its last state: read it with
+//!   `relay_lease` (a relay that holds no lease is not running).
 
 use skein_applier::sidecar::Sidecar;
 use skein_common::config::{Config, Transport};
@@ -75,6 +79,10 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
             }
             None => serde_json::Value::Null,
         },
+    );
+    out.insert(
+        "relays".into(),
+        serde_json::to_value(sidecar.relay_states().await?)?,
     );
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

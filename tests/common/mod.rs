@@ -45,7 +45,7 @@ pub fn kafka_brokers_required() -> String {
 /// on its line. `topic` should be unique: the broker outlives test runs. It
 /// names the consumer group too, so parallel tests do not share one.
 pub fn kafka_transport_yaml(yaml: &str, brokers: &str, topic: &str) -> String {
-    if yaml.contains("  kind: kafka\n") {
+    if yaml.contains("transport:\n  kind: kafka\n") {
         return yaml.to_string();
     }
     yaml.replace("  kind: in-process\n", "  kind: kafka\n").replacen(
@@ -198,7 +198,7 @@ impl Env {
 
     pub fn is_kafka(&self) -> bool {
         std::fs::read_to_string(&self.config)
-            .map(|y| y.contains("  kind: kafka\n"))
+            .map(|y| y.contains("transport:\n  kind: kafka\n"))
             .unwrap_or(false)
     }
 

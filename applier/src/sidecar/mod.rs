@@ -215,7 +215,7 @@ pub trait Sidecar {
     ) -> impl Future<Output = Result<Option<u32>>> + Send;
 
     /// Records the partition count of `group` on `topic` (see
-    /// [`crate::run::guard_partitions`]).
+    /// [`crate::run::repartition_check`]).
     fn record_partitions(
         &mut self,
         group: &str,
@@ -290,6 +290,33 @@ pub trait Sidecar {
     /// How many sessions hold the relay lease, exclusively and shared
     /// (`skein status`); `None` where the dialect does not tell.
     fn relay_lease_holders(&mut self) -> impl Future<Output = Result<Option<(i64, i64)>>> + Send;
+
+    /// Records relay `name`'s state and, when given, its last error (kept
+    /// until the next error) for `skein status`.
+    fn relay_report(
+        &mut self,
+        name: &str,
+        state: &str,
+        error: Option<&str>,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Every relay's last reported state.
+    fn relay_states(&mut self) -> impl Future<Output = Result<Vec<RelayState>>> + Send;
+}
+
+/// A relay's last reported state ([`Sidecar::relay_report`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RelayState {
+    /// `relay` (one relay of every partition) or `apply <instance>`.
+    pub name: String,
+    /// `standing by`, `running`, `retrying` or `stopped`.
+    pub state: String,
+    /// The last error and when it happened (UTC, ISO 8601).
+    pub last_error: Option<String>,
+    /// When the last error happened.
+    pub error_at: Option<String>,
+    /// When the state was reported.
+    pub updated_at: String,
 }
 
 /// Hands the rows a relay step claimed to the sink (which may block: file
@@ -446,5 +473,13 @@ impl Sidecar for AnySidecar {
 
     async fn relay_lease_holders(&mut self) -> Result<Option<(i64, i64)>> {
         delegate!(self, s => s.relay_lease_holders().await)
+    }
+
+    async fn relay_report(&mut self, name: &str, state: &str, error: Option<&str>) -> Result<()> {
+        delegate!(self, s => s.relay_report(name, state, error).await)
+    }
+
+    async fn relay_states(&mut self) -> Result<Vec<RelayState>> {
+        delegate!(self, s => s.relay_states().await)
     }
 }

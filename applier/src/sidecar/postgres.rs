@@ -10,7 +10,9 @@ use skein_common::config::Secret;
 use skein_common::failpoint::failpoint;
 use skein_sql::postgres::sidecar as sc;
 
-use super::{parse_numeric, source_position, BatchCommit, Fence, Progress, Rewind, Sidecar};
+use super::{
+    parse_numeric, source_position, BatchCommit, Fence, Progress, RelayState, Rewind, Sidecar,
+};
 use crate::connect_postgres;
 use crate::decide::Stored;
 use crate::error::{db, Error, Result};
@@ -342,6 +344,7 @@ impl Sidecar for PgSidecar {
         let events: Vec<SinkEvent> = rows
             .iter()
             .map(|r| SinkEvent {
+                outbox_id: r.get(0),
                 entity: r.get(1),
                 event: r.get(2),
             })
@@ -375,5 +378,34 @@ impl Sidecar for PgSidecar {
             .await
             .map_err(db("reading the relay lease"))?;
         Ok(Some((row.get(0), row.get(1))))
+    }
+
+    async fn relay_report(&mut self, name: &str, state: &str, error: Option<&str>) -> Result<()> {
+        self.client
+            .execute(
+                &sc::relay_report_sql(&self.schema),
+                &[&name, &state, &error],
+            )
+            .await
+            .map_err(db("reporting the relay's state"))?;
+        Ok(())
+    }
+
+    async fn relay_states(&mut self) -> Result<Vec<RelayState>> {
+        let rows = self
+            .client
+            .query(&sc::relay_states_sql(&self.schema), &[])
+            .await
+            .map_err(db("reading the relays' states"))?;
+        Ok(rows
+            .iter()
+            .map(|r| RelayState {
+                name: r.get(0),
+                state: r.get(1),
+                last_error: r.get(2),
+                error_at: r.get(3),
+                updated_at: r.get(4),
+            })
+            .collect())
     }
 }

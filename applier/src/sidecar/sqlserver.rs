@@ -18,7 +18,8 @@ use skein_sql::sqlserver::sidecar as sc;
 use skein_sql::sqlserver::MssqlClient;
 
 use super::{
-    parse_numeric, source_position, BatchCommit, OutboxRow, Progress, Rewind, Sidecar, VersionRow,
+    parse_numeric, source_position, BatchCommit, OutboxRow, Progress, RelayState, Rewind, Sidecar,
+    VersionRow,
 };
 use crate::decide::Stored;
 use crate::error::{Error, Result};
@@ -435,6 +436,7 @@ impl Sidecar for MssqlSidecar {
             };
             ids.push(*id);
             events.push(SinkEvent {
+                outbox_id: *id,
                 entity: entity.clone(),
                 event: event.clone(),
             });
@@ -467,5 +469,37 @@ impl Sidecar for MssqlSidecar {
     /// Not read on SQL Server yet (`sys.dm_tran_locks` would tell).
     async fn relay_lease_holders(&mut self) -> Result<Option<(i64, i64)>> {
         Ok(None)
+    }
+
+    async fn relay_report(&mut self, name: &str, state: &str, error: Option<&str>) -> Result<()> {
+        self.client
+            .execute(
+                "reporting the relay's state",
+                &sc::relay_report_sql(&self.schema),
+                &[&name, &state, &error],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn relay_states(&mut self) -> Result<Vec<RelayState>> {
+        let rows = self
+            .client
+            .query(
+                "reading the relays' states",
+                &sc::relay_states_sql(&self.schema),
+                &[],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| RelayState {
+                name: text(r.first()).unwrap_or_default(),
+                state: text(r.get(1)).unwrap_or_default(),
+                last_error: text(r.get(2)),
+                error_at: text(r.get(3)),
+                updated_at: text(r.get(4)).unwrap_or_default(),
+            })
+            .collect())
     }
 }

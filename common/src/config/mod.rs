@@ -67,6 +67,8 @@ pub struct Config {
     pub sink: Sink,
     /// Outbox rows per relay transaction (`sink.relay_batch`).
     pub relay_batch: i64,
+    /// `sink.on_reject`.
+    pub on_reject: OnReject,
     /// CloudEvent naming.
     pub events: EventsConfig,
     /// Directory of the extractor's sled marker and its lock.
@@ -272,6 +274,21 @@ impl Default for SidecarConfig {
             schema: default_sidecar_schema(),
         }
     }
+}
+
+/// What the relay does with an event the sink rejects for good (too large
+/// for the broker, refused by it): `sink.on_reject`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnReject {
+    /// Stop the relay (and `skein run` / `skein apply`) with an error naming
+    /// the outbox row; nothing is skipped.
+    #[default]
+    Stop,
+    /// Record it in the sink's dead letter (a file sink: `<path>.dlq`; a
+    /// Kafka sink: topic `<topic_prefix>.dlq`) with its outbox id and the
+    /// error, and go on with the next events.
+    DeadLetter,
 }
 
 /// CloudEvents Kafka protocol binding content mode.

@@ -208,6 +208,9 @@ pub struct SinkConfig {
     /// Outbox rows per relay transaction.
     #[serde(default = "default_relay_batch")]
     pub relay_batch: i64,
+    /// An event the sink rejects for good: `stop` (default) or `dead_letter`.
+    #[serde(default)]
+    pub on_reject: OnReject,
 }
 
 fn default_relay_batch() -> i64 {
@@ -225,6 +228,7 @@ impl Default for SinkConfig {
             mode: EventMode::Structured,
             kafka_properties: BTreeMap::new(),
             relay_batch: DEFAULT_RELAY_BATCH,
+            on_reject: OnReject::Stop,
         }
     }
 }

@@ -239,6 +239,7 @@ impl RawConfig {
             transport,
             sink,
             relay_batch: k.relay_batch,
+            on_reject: k.on_reject,
             events: self.events,
             state_dir: self.state_dir,
             extractor: self.extractor,

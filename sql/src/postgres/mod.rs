@@ -288,6 +288,15 @@ CREATE TABLE IF NOT EXISTS {s}."transport" (
   PRIMARY KEY ("group_name", "topic")
 );
 
+-- Version 4: each relay's state and last error, for `skein status`.
+CREATE TABLE IF NOT EXISTS {s}."relay" (
+  "name"       text        PRIMARY KEY,
+  "state"      text        NOT NULL,
+  "last_error" text,
+  "error_at"   timestamptz,
+  "updated_at" timestamptz NOT NULL DEFAULT now()
+);
+
 CREATE TABLE IF NOT EXISTS {s}."batch" (
   "id"             bigserial   PRIMARY KEY,
   "correlation_id" uuid        NOT NULL UNIQUE,

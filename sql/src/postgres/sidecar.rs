@@ -202,6 +202,31 @@ pub fn relay_lease_holders_sql() -> &'static str {
      AND ((classid::int8 << 32) | objid::int8) = hashtext($1)::int8"
 }
 
+/// A relay's state `$2` (and, when `$3` is not null, its last error) under
+/// its name `$1`.
+pub fn relay_report_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "INSERT INTO {s}.\"relay\" (name, state, last_error, error_at) \
+         VALUES ($1, $2, $3, CASE WHEN $3::text IS NULL THEN NULL ELSE now() END) \
+         ON CONFLICT (name) DO UPDATE SET state = EXCLUDED.state, \
+         last_error = coalesce(EXCLUDED.last_error, {s}.\"relay\".last_error), \
+         error_at = coalesce(EXCLUDED.error_at, {s}.\"relay\".error_at), updated_at = now()"
+    )
+}
+
+/// Every relay's state. Columns: name, state, last_error, error_at and
+/// updated_at (ISO 8601 texts).
+pub fn relay_states_sql(schema: &str) -> String {
+    format!(
+        "SELECT name, state, last_error, \
+         to_char(error_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), \
+         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
+         FROM {}.\"relay\" ORDER BY name",
+        qi(schema)
+    )
+}
+
 /// Marks the relayed rows (ids in the array `$1`) dequeued.
 pub fn relay_mark_sql(schema: &str) -> String {
     format!(

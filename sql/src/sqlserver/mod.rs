@@ -470,6 +470,15 @@ pub fn sidecar_ddl(schema: &str) -> String {
          [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
          PRIMARY KEY ([group_name], [topic])",
     );
+    out += "\n-- Version 4: each relay's state and last error, for `skein status`.\n";
+    out += &table(
+        "relay",
+        "  [name]       nvarchar(200) NOT NULL PRIMARY KEY,\n  \
+         [state]      nvarchar(40)  NOT NULL,\n  \
+         [last_error] nvarchar(max) NULL,\n  \
+         [error_at]   datetime2(6)  NULL,\n  \
+         [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()",
+    );
     out += "\n";
     out += &table(
         "batch",

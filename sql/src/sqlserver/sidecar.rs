@@ -56,6 +56,31 @@ pub fn record_partitions_sql(schema: &str) -> String {
     )
 }
 
+/// A relay's state `@P2` (and, when `@P3` is not null, its last error)
+/// under its name `@P1`.
+pub fn relay_report_sql(schema: &str) -> String {
+    let q = qi(schema);
+    format!(
+        "UPDATE {q}.[relay] WITH (UPDLOCK, HOLDLOCK) SET [state] = @P2, \
+         [last_error] = COALESCE(@P3, [last_error]), \
+         [error_at] = CASE WHEN @P3 IS NULL THEN [error_at] ELSE SYSUTCDATETIME() END, \
+         [updated_at] = SYSUTCDATETIME() WHERE [name] = @P1; \
+         IF @@ROWCOUNT = 0 INSERT INTO {q}.[relay] ([name], [state], [last_error], [error_at]) \
+         VALUES (@P1, @P2, @P3, CASE WHEN @P3 IS NULL THEN NULL ELSE SYSUTCDATETIME() END)"
+    )
+}
+
+/// Every relay's state. Columns: name, state, last_error, error_at and
+/// updated_at (ISO 8601 texts).
+pub fn relay_states_sql(schema: &str) -> String {
+    format!(
+        "SELECT [name], [state], [last_error], \
+         CONVERT(nvarchar(20), [error_at], 127), CONVERT(nvarchar(20), [updated_at], 127) \
+         FROM {}.[relay] ORDER BY [name]",
+        qi(schema)
+    )
+}
+
 /// Fence: moves progress from `@P5` at epoch `@P8` to `@P4` (decimal
 /// texts), with the last source change `@P6`/`@P7`; affects 0 rows when
 /// progress moved or another applier took the partition.

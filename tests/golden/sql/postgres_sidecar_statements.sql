@@ -59,6 +59,12 @@ SELECT pg_try_advisory_lock_shared(hashtext($1));
 -- relay lease holders
 SELECT count(*) FILTER (WHERE mode = 'ExclusiveLock'), count(*) FILTER (WHERE mode = 'ShareLock') FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) AND ((classid::int8 << 32) | objid::int8) = hashtext($1)::int8;
 
+-- relay: report its state
+INSERT INTO "skein"."relay" (name, state, last_error, error_at) VALUES ($1, $2, $3, CASE WHEN $3::text IS NULL THEN NULL ELSE now() END) ON CONFLICT (name) DO UPDATE SET state = EXCLUDED.state, last_error = coalesce(EXCLUDED.last_error, "skein"."relay".last_error), error_at = coalesce(EXCLUDED.error_at, "skein"."relay".error_at), updated_at = now();
+
+-- status: relay states
+SELECT name, state, last_error, to_char(error_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') FROM "skein"."relay" ORDER BY name;
+
 -- replay: rewind a partition
 UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_seq = NULL, epoch = epoch + 1, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8;
 

@@ -34,6 +34,16 @@ CREATE TABLE [skein].[transport] (
   PRIMARY KEY ([group_name], [topic])
 );
 
+-- Version 4: each relay's state and last error, for `skein status`.
+IF OBJECT_ID(N'[skein].[relay]', N'U') IS NULL
+CREATE TABLE [skein].[relay] (
+  [name]       nvarchar(200) NOT NULL PRIMARY KEY,
+  [state]      nvarchar(40)  NOT NULL,
+  [last_error] nvarchar(max) NULL,
+  [error_at]   datetime2(6)  NULL,
+  [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()
+);
+
 IF OBJECT_ID(N'[skein].[batch]', N'U') IS NULL
 CREATE TABLE [skein].[batch] (
   [id]             bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,

@@ -52,6 +52,12 @@ DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Exclus
 -- relay lease, owned partitions
 DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Shared', @LockOwner = 'Session', @LockTimeout = 0; SELECT CAST(@r AS bigint);
 
+-- relay: report its state
+UPDATE [skein].[relay] WITH (UPDLOCK, HOLDLOCK) SET [state] = @P2, [last_error] = COALESCE(@P3, [last_error]), [error_at] = CASE WHEN @P3 IS NULL THEN [error_at] ELSE SYSUTCDATETIME() END, [updated_at] = SYSUTCDATETIME() WHERE [name] = @P1; IF @@ROWCOUNT = 0 INSERT INTO [skein].[relay] ([name], [state], [last_error], [error_at]) VALUES (@P1, @P2, @P3, CASE WHEN @P3 IS NULL THEN NULL ELSE SYSUTCDATETIME() END);
+
+-- status: relay states
+SELECT [name], [state], [last_error], CONVERT(nvarchar(20), [error_at], 127), CONVERT(nvarchar(20), [updated_at], 127) FROM [skein].[relay] ORDER BY [name];
+
 -- replay: rewind a partition
 UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;
 
