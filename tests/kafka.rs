@@ -919,6 +919,15 @@ async fn changing_partitions_with_a_backlog_is_refused() {
         ),
         None => panic!("skein extract re-keyed a topic whose partitions hold unapplied records"),
     }
+    // A sidecar from before version 4 never recorded the count: the
+    // topic's four partitions are the evidence, and it is refused too.
+    env.exec("DELETE FROM skein.transport").await;
+    let err = env.refused_within("extract", Duration::from_secs(20));
+    assert!(
+        err.as_deref()
+            .is_some_and(|e| e.contains("changed from 4 to 2")),
+        "{err:?}"
+    );
     // Drained at four partitions, then two: accepted, nothing lost.
     std::fs::write(&env.config, &yaml).unwrap();
     let mut run = env.start().await;

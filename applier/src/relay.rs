@@ -5,7 +5,7 @@
 //! partitions to take and when to poll.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
@@ -51,6 +51,9 @@ pub async fn relay_once<S: Sidecar>(
     sidecar.relay_once(limit, owned.as_deref(), sink).await
 }
 
+/// How often a running relay refreshes its reported state.
+const HEARTBEAT: Duration = Duration::from_secs(10);
+
 /// First and longest wait between attempts after a transient failure.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(200), Duration::from_secs(30));
 
@@ -89,14 +92,20 @@ pub async fn run_relay<S: Sidecar + Send>(
                         "a relay of every partition"
                     }
                 );
-                report(&mut sidecar, &name, "standing by", None).await;
+                // A relay of every partition shares its name with the one
+                // it waits for: only the lease holder reports under it.
+                if !exclusive {
+                    report(&mut sidecar, &name, "standing by", None).await;
+                }
                 standing_by = true;
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 _ = cancel.cancelled() => {
                     info!("relay stopped while standing by");
-                    report(&mut sidecar, &name, "stopped", None).await;
+                    if !exclusive {
+                        report(&mut sidecar, &name, "stopped", None).await;
+                    }
                     return Ok(());
                 }
             }
@@ -105,6 +114,7 @@ pub async fn run_relay<S: Sidecar + Send>(
             info!("relay lease taken; relaying");
         }
         report(&mut sidecar, &name, "running", None).await;
+        let mut reported = Instant::now();
         let mut total = 0usize;
         let mut backoff = BACKOFF.0;
         let mut failures = 0u32;
@@ -143,6 +153,12 @@ pub async fn run_relay<S: Sidecar + Send>(
             }
             if cancel.is_cancelled() {
                 break;
+            }
+            // A heartbeat: `updated_at` tells a live relay from one that was
+            // killed without reporting.
+            if reported.elapsed() > HEARTBEAT {
+                report(&mut sidecar, &name, "running", None).await;
+                reported = Instant::now();
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}

@@ -258,7 +258,7 @@ pub async fn connect(
 
 /// What the sidecar knows of this pipeline's partitions on a topic when the
 /// extractor starts: the partition count records were last keyed by, and
-/// the progress of every partition of that count and of the configured one.
+/// the progress of every partition that has committed.
 #[derive(Clone, Debug, Default)]
 pub struct TopicProgress {
     /// [`Sidecar::partitions`].
@@ -270,14 +270,10 @@ pub struct TopicProgress {
 impl TopicProgress {
     /// Reads it for `cfg.name` on `topic`.
     pub async fn read<S: Sidecar>(sidecar: &mut S, cfg: &Config, topic: &str) -> Result<Self> {
-        let recorded = sidecar.partitions(&cfg.name, topic).await?;
-        let mut progress = vec![];
-        for p in 0..recorded.unwrap_or(0).max(cfg.transport.partitions()) {
-            if let Some(at) = sidecar.progress(&cfg.name, topic, p).await? {
-                progress.push((p, at));
-            }
-        }
-        Ok(TopicProgress { recorded, progress })
+        Ok(TopicProgress {
+            recorded: sidecar.partitions(&cfg.name, topic).await?,
+            progress: sidecar.progress_all(&cfg.name, topic).await?,
+        })
     }
 
     /// Where the sidecar says the pipeline had applied to: the highest
@@ -302,31 +298,46 @@ impl TopicProgress {
     }
 }
 
-/// Whether the extractor may key records by `configured` partitions on
-/// `topic` when they were last keyed by `recorded`: a different count moves
-/// aggregates between partitions, so an aggregate's unapplied records in
-/// its old partition would be dropped as applied, or committed out of order
-/// with its new ones. `behind` describes each partition that still holds
-/// such records. Returns whether `configured` must be recorded (first start
-/// or a safe change); an error names the partitions and what to do.
+/// In-process, records keyed by a new partition count (or by a count the
+/// sidecar does not know: one from before version 4) can land in a
+/// partition whose progress already covers them, and would be dropped as
+/// applied. The source re-sends everything after `resume` (the marker;
+/// `None` when it is gone, and the source resumes where it can), so the
+/// partitions that committed past it must forget their progress: their
+/// records are then applied again, and aggregates whose state did not
+/// change publish nothing (the version table). Returns those partitions.
+pub fn rekey_in_process(known: &TopicProgress, resume: Option<i128>) -> Vec<u32> {
+    known
+        .progress
+        .iter()
+        .filter(|(_, at)| resume.is_none_or(|r| at.position > r))
+        .map(|(p, _)| *p)
+        .collect()
+}
+
+/// Over Kafka, whether the extractor may key records by `configured`
+/// partitions on `topic` when they were last keyed by `recorded` (the
+/// topic's partition count when the sidecar does not know): a different
+/// count moves aggregates between partitions, so an aggregate's unapplied
+/// records in its old partition would be committed out of order with its
+/// new ones by another applier. `behind` describes each partition that
+/// still holds unapplied records. An error names them and what to do.
 pub fn repartition_check(
     topic: &str,
-    recorded: Option<u32>,
+    recorded: u32,
     configured: u32,
     behind: &[String],
-) -> Result<bool> {
-    match recorded {
-        Some(n) if n == configured => Ok(false),
-        None => Ok(true),
-        Some(_) if behind.is_empty() => Ok(true),
-        Some(n) => Err(Error::Data(format!(
-            "transport.partitions changed from {n} to {configured} on `{topic}` while records \
-             keyed by {n} partitions are not applied yet ({}); re-keying them now would drop \
-             or reorder an aggregate's changes. Start once more with `partitions: {n}` until \
-             the pipeline has caught up (`skein status`), stop it, then change the count",
-            behind.join("; ")
-        ))),
+) -> Result<()> {
+    if recorded == configured || behind.is_empty() {
+        return Ok(());
     }
+    Err(Error::Data(format!(
+        "transport.partitions changed from {recorded} to {configured} on `{topic}` while records \
+         keyed by {recorded} partitions are not applied yet ({}); re-keying them now would \
+         reorder an aggregate's changes. Start once more with `partitions: {recorded}` until \
+         the appliers have caught up (`skein status`), stop it, then change the count",
+        behind.join("; ")
+    )))
 }
 
 /// Where a Kafka partition resumes when it is assigned: the next offset
@@ -400,21 +411,11 @@ mod tests {
     }
 
     #[test]
-    fn a_partition_count_changes_only_with_nothing_left_to_apply() {
+    fn a_kafka_partition_count_changes_only_with_nothing_left_to_apply() {
         let behind = vec!["partition 1 is applied up to offset 3 of 9".to_string()];
-        assert!(
-            repartition_check("t", None, 4, &behind).unwrap(),
-            "first start records"
-        );
-        assert!(
-            !repartition_check("t", Some(4), 4, &behind).unwrap(),
-            "unchanged"
-        );
-        assert!(
-            repartition_check("t", Some(4), 2, &[]).unwrap(),
-            "drained: records"
-        );
-        let err = repartition_check("t", Some(4), 2, &behind)
+        assert!(repartition_check("t", 4, 4, &behind).is_ok(), "unchanged");
+        assert!(repartition_check("t", 4, 2, &[]).is_ok(), "drained");
+        let err = repartition_check("t", 4, 2, &behind)
             .unwrap_err()
             .to_string();
         assert!(
@@ -422,6 +423,26 @@ mod tests {
                 && err.contains("partition 1")
                 && err.contains("partitions: 4"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn in_process_rekeying_forgets_the_partitions_past_the_restart_point() {
+        let at = |position| Progress {
+            position,
+            source: None,
+            epoch: 0,
+        };
+        let known = TopicProgress {
+            recorded: Some(2),
+            progress: vec![(0, at(120)), (1, at(100)), (3, at(90))],
+        };
+        assert_eq!(rekey_in_process(&known, Some(100)), vec![0]);
+        assert_eq!(rekey_in_process(&known, Some(120)), Vec::<u32>::new());
+        assert_eq!(
+            rekey_in_process(&known, None),
+            vec![0, 1, 3],
+            "no marker: the source may resume anywhere before"
         );
     }
 

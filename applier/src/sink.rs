@@ -67,7 +67,13 @@ impl Sink for DeadLettering {
                 for r in &rejected {
                     tracing::warn!(outbox_id = r.outbox_id, entity = %r.entity, error = %r.reason, "the sink rejected an event; recorded in its dead letter");
                 }
-                self.0.dead_letter(&rejected)
+                // A dead letter that cannot be written would be retried
+                // forever, re-sending the good events each time: stop.
+                self.0.dead_letter(&rejected).map_err(|e| {
+                    Error::Data(format!(
+                        "recording rejected events in the sink's dead letter failed: {e}"
+                    ))
+                })
             }
             other => other,
         }
@@ -199,6 +205,10 @@ pub struct KafkaSink {
     mode: EventMode,
 }
 
+/// How long a Kafka sink send waits for the broker; also its default
+/// `message.timeout.ms`.
+const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(50);
+
 /// Collects delivery failures of a send: outbox id, whether the broker
 /// will never take the event, and the error.
 #[derive(Default)]
@@ -227,20 +237,17 @@ impl rdkafka::producer::ProducerContext for DeliveryLog {
     }
 }
 
-/// Errors after which the broker will never take this event as it is.
+/// Errors after which the broker will never take this one event as it is.
+/// Authorisation, policy or topic errors are about every event of a topic
+/// (an ACL slip, a missing topic), not one event: they are not rejections.
+/// A broker refuses a whole record batch at once, so a rejection reported
+/// by a delivery is confirmed by sending the event alone
+/// ([`KafkaSink::confirm_rejections`]).
 fn is_permanent(e: &rdkafka::error::KafkaError) -> bool {
     use rdkafka::types::RDKafkaErrorCode as C;
     matches!(
         e.rdkafka_error_code(),
-        Some(
-            C::MessageSizeTooLarge
-                | C::InvalidMessageSize
-                | C::InvalidMessage
-                | C::InvalidRecord
-                | C::InvalidTopic
-                | C::TopicAuthorizationFailed
-                | C::PolicyViolation
-        )
+        Some(C::MessageSizeTooLarge | C::InvalidMessageSize | C::InvalidRecord)
     )
 }
 
@@ -253,7 +260,13 @@ impl KafkaSink {
         mode: EventMode,
     ) -> Result<KafkaSink> {
         use skein_transporter::kafka::{client_config, reliable_producer_config};
-        let producer = reliable_producer_config(&client_config(brokers, properties))
+        let mut config = reliable_producer_config(&client_config(brokers, properties));
+        // Every delivery is settled (delivered or failed) within the flush
+        // wait, so nothing of a failed send is still queued when it is retried.
+        if !properties.contains_key("message.timeout.ms") {
+            config.set("message.timeout.ms", FLUSH_WAIT.as_millis().to_string());
+        }
+        let producer = config
             .create_with_context(DeliveryLog::default())
             .map_err(|e| Error::Sink {
                 message: format!("creating the kafka sink producer: {e}"),
@@ -380,15 +393,25 @@ impl KafkaSink {
     }
 
     /// Waits until the broker acknowledged or refused everything enqueued;
-    /// returns the refusals (outbox id, permanent, error).
+    /// returns the refusals (outbox id, permanent, error). What is still
+    /// queued after the wait is purged, so a retry never doubles it.
     fn settle(&self) -> Result<Vec<(i64, bool, String)>> {
         use rdkafka::producer::Producer;
-        self.producer
-            .flush(std::time::Duration::from_secs(60))
-            .map_err(|e| Error::Sink {
+        let flushed = self
+            .producer
+            .flush(FLUSH_WAIT + std::time::Duration::from_secs(10));
+        if let Some((code, reason)) = self.producer.client().fatal_error() {
+            return Err(Error::Data(format!(
+                "the Kafka sink producer failed for good ({code:?}: {reason}); restart the relay"
+            )));
+        }
+        if let Err(e) = flushed {
+            self.purge();
+            return Err(Error::Sink {
                 message: format!("waiting for the broker to acknowledge events: {e}"),
                 source: None,
-            })?;
+            });
+        }
         Ok(self
             .producer
             .context()
@@ -396,6 +419,48 @@ impl KafkaSink {
             .lock()
             .map(|mut f| std::mem::take(&mut *f))
             .unwrap_or_default())
+    }
+}
+
+impl KafkaSink {
+    /// Drops what is still queued (not in flight: the idempotent producer
+    /// must see those through) and waits a moment for the purged messages'
+    /// reports, so none of them is taken for a later send's.
+    fn purge(&self) {
+        use rdkafka::producer::{Producer, PurgeConfig};
+        self.producer.purge(PurgeConfig::default().queue());
+        let _ = self.producer.flush(std::time::Duration::from_secs(5));
+        if let Ok(mut f) = self.producer.context().failures.lock() {
+            f.clear();
+        }
+    }
+
+    /// A delivery that failed with a per-event error may have failed only
+    /// because of its batch (a broker refuses whole batches): each such
+    /// event is sent again alone, and is a rejection only if it fails the
+    /// same way again.
+    fn confirm_rejections(
+        &self,
+        events: &[SinkEvent],
+        failures: Vec<(i64, bool, String)>,
+    ) -> Result<Vec<(i64, bool, String)>> {
+        if failures.len() < 2 || failures.iter().any(|(_, permanent, _)| !permanent) {
+            return Ok(failures);
+        }
+        let mut confirmed = vec![];
+        for (id, _, _) in failures {
+            let Some(e) = events.iter().find(|e| e.outbox_id == id) else {
+                continue;
+            };
+            let m = kafka_binding(&e.event, self.mode)?;
+            self.enqueue(&self.topic(&e.entity), &m.key, &m.value, &m.headers, id)
+                .map_err(|err| Error::Sink {
+                    message: format!("sending outbox row {id} again alone: {err}"),
+                    source: None,
+                })?;
+            confirmed.extend(self.settle()?);
+        }
+        Ok(confirmed)
     }
 }
 
@@ -456,14 +521,16 @@ impl Sink for KafkaSink {
                 Ok(()) => {}
                 Err(err) if is_permanent(&err) => rejected.push(reject(format!("{topic}: {err}"))),
                 Err(err) => {
+                    self.purge();
                     return Err(Error::Sink {
                         message: format!("enqueuing an event: {err}"),
                         source: None,
-                    })
+                    });
                 }
             }
         }
         let failures = self.settle()?;
+        let failures = self.confirm_rejections(events, failures)?;
         delivery_outcome(rejected, failures, |id| {
             events
                 .iter()
@@ -609,6 +676,23 @@ mod tests {
         // A sink without a dead letter refuses rather than dropping.
         let mut stdout = DeadLettering(Box::new(StdoutSink));
         assert!(stdout.0.dead_letter(&[]).is_err());
+    }
+
+    #[test]
+    fn only_errors_about_one_event_are_permanent() {
+        use rdkafka::error::KafkaError::MessageProduction as P;
+        use rdkafka::types::RDKafkaErrorCode as C;
+        assert!(is_permanent(&P(C::MessageSizeTooLarge)));
+        assert!(is_permanent(&P(C::InvalidRecord)));
+        for not in [
+            C::TopicAuthorizationFailed,
+            C::PolicyViolation,
+            C::InvalidMessage,
+            C::MessageTimedOut,
+            C::UnknownTopicOrPartition,
+        ] {
+            assert!(!is_permanent(&P(not)), "{not:?}");
+        }
     }
 
     #[test]

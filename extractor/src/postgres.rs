@@ -284,6 +284,44 @@ impl PgSource {
         }
     }
 
+    /// Waits until no session streams from the slot. A process killed a
+    /// moment ago may still hold it until PostgreSQL notices its
+    /// connection is gone; a slot held for longer belongs to another live
+    /// extractor, and starting beside it is an error.
+    async fn wait_for_the_slot(&self) -> Result<()> {
+        const PATIENCE: Duration = Duration::from_secs(30);
+        let started = std::time::Instant::now();
+        loop {
+            let holder: Option<i32> = self
+                .client
+                .query_opt(
+                    "SELECT active_pid FROM pg_catalog.pg_replication_slots \
+                     WHERE slot_name = $1 AND database = current_database() AND active",
+                    &[&self.slot],
+                )
+                .await
+                .map_err(src("reading the replication slot"))?
+                .and_then(|r| r.get(0));
+            let Some(pid) = holder else { return Ok(()) };
+            if started.elapsed() > PATIENCE {
+                return Err(Error::NotReady {
+                    message: format!(
+                        "replication slot `{}` has been in use by backend {pid} for {}s",
+                        self.slot,
+                        PATIENCE.as_secs()
+                    ),
+                    fix: "stop the other extractor of this pipeline (only one may run), or \
+                          terminate that backend if it is left over"
+                        .into(),
+                });
+            }
+            if started.elapsed() < Duration::from_millis(200) {
+                info!(slot = %self.slot, pid, "the slot is still held (a process stopped just now?); waiting for it");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     async fn create_slot(&self) -> Result<PgLsn> {
         let row = self
             .client
@@ -312,6 +350,7 @@ impl PgSource {
     /// Starts the replication stream after `start` (a transaction whose
     /// commit ends at or before `start` is not sent again).
     pub async fn start_stream(&mut self, start: PgLsn) -> Result<()> {
+        self.wait_for_the_slot().await?;
         let pg = tokio_postgres::Config::from_str(self.url.expose())
             .map_err(src("parsing the source URL"))?;
         let host = match pg.get_hosts().first() {

@@ -418,6 +418,11 @@ fn sqlserver_sidecar_statements_are_frozen() {
         ),
         ("progress of a partition", sc::progress_sql(s)),
         ("an applier takes a partition", sc::claim_progress_sql(s)),
+        ("progress of every partition", sc::progress_all_sql(s)),
+        (
+            "forget partitions' progress (re-keying)",
+            sc::forget_progress_sql(s),
+        ),
         ("partition count of a topic", sc::partitions_sql(s)),
         ("record the partition count", sc::record_partitions_sql(s)),
         ("batch transaction 1a: fence", sc::advance_progress_sql(s)),
@@ -474,6 +479,11 @@ fn postgres_sidecar_statements_are_frozen() {
         ),
         ("progress of a partition", sc::progress_sql(s)),
         ("an applier takes a partition", sc::claim_progress_sql(s)),
+        ("progress of every partition", sc::progress_all_sql(s)),
+        (
+            "forget partitions' progress (re-keying)",
+            sc::forget_progress_sql(s),
+        ),
         ("partition count of a topic", sc::partitions_sql(s)),
         ("record the partition count", sc::record_partitions_sql(s)),
         ("batch transaction 1a: fence", sc::advance_progress_sql(s)),

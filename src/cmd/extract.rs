@@ -1,5 +1,6 @@
 //! `skein extract`: the extractor alone, producing to the Kafka change topic.
 
+use skein_applier::run::repartition_check;
 use skein_common::config::Config;
 use skein_common::CheckpointKind;
 use skein_extractor::{AnySource, SledMarkerStore};
@@ -13,13 +14,18 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     let k = kafka(&cfg)?;
     let (kc, topic) = (kafka_client(k), &k.topic);
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
-    ensure_topic(&kc, topic, k.partitions, k.replication_factor).await?;
+    let in_topic = ensure_topic(&kc, topic, k.partitions, k.replication_factor).await?;
     // Where the appliers had got to, should the marker be gone; a changed
     // partition count only once every partition is applied to its log end.
-    let floor = prepare_sidecar(&cfg, topic, CheckpointKind::Offset, |known, _| {
-        let count = known.recorded.unwrap_or(0).max(k.partitions);
-        let marks = tokio::task::block_in_place(|| watermarks(&kc, topic, count))?;
-        Ok(marks
+    // A sidecar that never recorded the count: the topic's is the evidence
+    // (skein creates it with the configured count).
+    let floor = prepare_sidecar(&cfg, topic, CheckpointKind::Offset, |known| {
+        let recorded = known.recorded.unwrap_or(in_topic);
+        if recorded == k.partitions {
+            return Ok(vec![]);
+        }
+        let marks = tokio::task::block_in_place(|| watermarks(&kc, topic, in_topic))?;
+        let behind: Vec<String> = marks
             .iter()
             .zip(0u32..)
             .filter_map(|(&(low, high), p)| {
@@ -31,7 +37,9 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
                 (next < high)
                     .then(|| format!("partition {p} is applied up to offset {next} of {high}"))
             })
-            .collect())
+            .collect();
+        repartition_check(topic, recorded, k.partitions, &behind)?;
+        Ok(vec![])
     })
     .await?;
     let transport = KafkaTransport::new(&kc, topic, k.partitions)?;

@@ -15,13 +15,13 @@ pub mod validate;
 
 use anyhow::bail;
 use rdkafka::config::ClientConfig;
-use skein_applier::run::{repartition_check, TopicProgress};
+use skein_applier::run::TopicProgress;
 use skein_applier::sidecar::{AnySidecar, Sidecar};
 use skein_applier::sink::{DeadLettering, FileSink, KafkaSink, Sink, StdoutSink};
 use skein_common::config::{self, Config, KafkaTransport, Transport};
 use skein_common::{CheckpointKind, SourcePosition};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// The configured sink; with `sink.on_reject: dead_letter`, events it
 /// rejects go to its dead letter.
@@ -52,17 +52,17 @@ pub async fn sidecar(cfg: &Config) -> anyhow::Result<AnySidecar> {
     Ok(AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?)
 }
 
-/// Creates or upgrades the sidecar schema; refuses a changed
-/// `transport.partitions` while `behind` (called only then) names
-/// partitions holding records keyed by the old count that are not applied
-/// yet ([`repartition_check`]), else records the count; returns where the
-/// sidecar says the pipeline had applied to on `topic`: the extractor's
-/// fallback when its marker is gone.
+/// Creates or upgrades the sidecar schema and returns where the sidecar
+/// says the pipeline had applied to on `topic` (the extractor's fallback
+/// when its marker is gone). When `transport.partitions` differs from the
+/// count records were last keyed by (or that count is unknown), `rekey`
+/// decides first: it refuses (an error), or names partitions whose progress
+/// to forget; then the new count is recorded.
 pub async fn prepare_sidecar(
     cfg: &Config,
     topic: &str,
     kind: CheckpointKind,
-    behind: impl FnOnce(&TopicProgress, Option<SourcePosition>) -> anyhow::Result<Vec<String>>,
+    rekey: impl FnOnce(&TopicProgress) -> anyhow::Result<Vec<u32>>,
 ) -> anyhow::Result<Option<SourcePosition>> {
     let mut sc = sidecar(cfg).await?;
     sc.migrate().await?;
@@ -70,20 +70,22 @@ pub async fn prepare_sidecar(
     let floor = known.floor(kind)?;
     let configured = cfg.transport.partitions();
     if known.recorded != Some(configured) {
-        let behind = match known.recorded {
-            Some(_) => behind(&known, floor)?,
-            None => vec![],
-        };
-        if repartition_check(topic, known.recorded, configured, &behind)? {
-            sc.record_partitions(&cfg.name, topic, configured).await?;
-            if let Some(from) = known.recorded {
-                info!(
-                    topic,
-                    from,
-                    to = configured,
-                    "transport.partitions changed; nothing was left to apply under the old count"
-                );
-            }
+        let forget = rekey(&known)?;
+        if !forget.is_empty() {
+            warn!(
+                topic,
+                from = ?known.recorded,
+                to = configured,
+                partitions = ?forget,
+                "transport.partitions changed (or the sidecar did not record it): forgetting the \
+                 progress of partitions that committed past the restart point; their records are \
+                 applied again and unchanged aggregates publish nothing"
+            );
+            sc.forget_progress(&cfg.name, topic, &forget).await?;
+        }
+        sc.record_partitions(&cfg.name, topic, configured).await?;
+        if let Some(from) = known.recorded {
+            info!(topic, from, to = configured, "transport.partitions changed");
         }
     }
     Ok(floor)

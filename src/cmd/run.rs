@@ -3,6 +3,7 @@
 
 use anyhow::bail;
 use skein_applier::relay::{run_relay, RelayScope};
+use skein_applier::run::rekey_in_process;
 use skein_common::config::{Config, Transport};
 use skein_common::CheckpointKind;
 use skein_extractor::{AnySource, MarkerStore, SledMarkerStore};
@@ -21,21 +22,11 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     };
     let markers = SledMarkerStore::open(&cfg.state_dir)?;
     let kind = CheckpointKind::Source(cfg.source.dialect());
-    // Records re-sent after a restart start after the marker (or, without
-    // one, the floor): a partition whose progress is past that point holds
-    // part of a batch the others have not committed, and re-keyed records
-    // landing there would be dropped as applied.
-    let marker = markers.load()?.map(|m| m.position);
-    let floor = prepare_sidecar(&cfg, IN_PROCESS_TOPIC, kind, |known, floor| {
-        let Some(resume) = marker.or(floor) else {
-            return Ok(vec![]);
-        };
-        Ok(known
-            .progress
-            .iter()
-            .filter(|(_, at)| at.position > resume.numeric())
-            .map(|(p, _)| format!("partition {p} has committed part of the batch after {resume}"))
-            .collect())
+    // Re-keyed records must not land in a partition whose progress already
+    // covers them: see `rekey_in_process`.
+    let marker = markers.load()?.map(|m| m.position.numeric());
+    let floor = prepare_sidecar(&cfg, IN_PROCESS_TOPIC, kind, |known| {
+        Ok(rekey_in_process(known, marker))
     })
     .await?;
     let mut source = AnySource::connect(&cfg).await?;

@@ -8,9 +8,10 @@
 //! * `relay_lease`: how many relays hold the sidecar's relay lease (one of
 //!   every partition, or any number of partition relays; others stand by);
 //! * `relays`: each relay's last reported state (`standing by`, `running`,
-//!   `retrying`, `stopped`) and last error with its time. A relay killed
-//!   without a chance to report keeps its last state: read it with
-//!   `relay_lease` (a relay that holds no lease is not running).
+//!   `retrying`, `stopped`), last error with its time, and `updated_at`
+//!   (a running relay refreshes it every 10 s). A relay killed without a
+//!   chance to report keeps its last state: an old `updated_at`, or no
+//!   holder in `relay_lease`, says it is not running.
 
 use skein_applier::sidecar::Sidecar;
 use skein_common::config::{Config, Transport};

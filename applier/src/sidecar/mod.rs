@@ -206,6 +206,23 @@ pub trait Sidecar {
         partition: u32,
     ) -> impl Future<Output = Result<Option<Progress>>> + Send;
 
+    /// Every partition's committed progress on `topic`, by partition.
+    fn progress_all(
+        &mut self,
+        group: &str,
+        topic: &str,
+    ) -> impl Future<Output = Result<Vec<(u32, Progress)>>> + Send;
+
+    /// Forgets the progress of `partitions`, in one transaction: their
+    /// records are applied again when re-sent (unchanged aggregates publish
+    /// nothing). For re-keying in-process, see [`crate::run::rekey`].
+    fn forget_progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partitions: &[u32],
+    ) -> impl Future<Output = Result<()>> + Send;
+
     /// The partition count the records of `group` on `topic` are keyed by,
     /// as last recorded; `None` before the first record.
     fn partitions(
@@ -436,6 +453,19 @@ impl Sidecar for AnySidecar {
 
     async fn partitions(&mut self, group: &str, topic: &str) -> Result<Option<u32>> {
         delegate!(self, s => s.partitions(group, topic).await)
+    }
+
+    async fn progress_all(&mut self, group: &str, topic: &str) -> Result<Vec<(u32, Progress)>> {
+        delegate!(self, s => s.progress_all(group, topic).await)
+    }
+
+    async fn forget_progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partitions: &[u32],
+    ) -> Result<()> {
+        delegate!(self, s => s.forget_progress(group, topic, partitions).await)
     }
 
     async fn record_partitions(&mut self, group: &str, topic: &str, n: u32) -> Result<()> {

@@ -56,15 +56,18 @@ impl PgSidecar {
             .query_opt(sql, &[&group, &topic, &(partition as i32)])
             .await
             .map_err(db(what))?;
-        row.map(|r| {
-            Ok(Progress {
-                position: parse_numeric(&r.get::<_, String>(0))?,
-                source: source_position(r.get(1), r.get(2))?,
-                epoch: r.get(3),
-            })
-        })
-        .transpose()
+        row.map(|r| progress_from(&r, 0)).transpose()
     }
+}
+
+/// The progress in a row's columns `at..`: position (text), source_commit,
+/// source_seq, epoch.
+fn progress_from(r: &tokio_postgres::Row, at: usize) -> Result<Progress> {
+    Ok(Progress {
+        position: parse_numeric(&r.get::<_, String>(at))?,
+        source: source_position(r.get(at + 1), r.get(at + 2))?,
+        epoch: r.get(at + 3),
+    })
 }
 
 impl Sidecar for PgSidecar {
@@ -102,6 +105,34 @@ impl Sidecar for PgSidecar {
             partition,
         )
         .await
+    }
+
+    async fn progress_all(&mut self, group: &str, topic: &str) -> Result<Vec<(u32, Progress)>> {
+        let rows = self
+            .client
+            .query(&sc::progress_all_sql(&self.schema), &[&group, &topic])
+            .await
+            .map_err(db("reading every partition's progress"))?;
+        rows.iter()
+            .map(|r| Ok((r.get::<_, i32>(0).max(0) as u32, progress_from(r, 1)?)))
+            .collect()
+    }
+
+    async fn forget_progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partitions: &[u32],
+    ) -> Result<()> {
+        let ps: Vec<i32> = partitions.iter().map(|p| *p as i32).collect();
+        self.client
+            .execute(
+                &sc::forget_progress_sql(&self.schema),
+                &[&group, &topic, &ps],
+            )
+            .await
+            .map_err(db("forgetting partitions' progress"))?;
+        Ok(())
     }
 
     async fn partitions(&mut self, group: &str, topic: &str) -> Result<Option<u32>> {

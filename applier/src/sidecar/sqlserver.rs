@@ -279,6 +279,49 @@ impl Sidecar for MssqlSidecar {
         progress_query(&mut self.client, what, &sql, group, topic, partition).await
     }
 
+    async fn progress_all(&mut self, group: &str, topic: &str) -> Result<Vec<(u32, Progress)>> {
+        let rows = self
+            .client
+            .query(
+                "reading every partition's progress",
+                &sc::progress_all_sql(&self.schema),
+                &[&group, &topic],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let p = match r.first() {
+                    Some(SqlValue::Int(p)) => (*p).max(0) as u32,
+                    other => return Err(Error::Data(format!("progress.partition: {other:?}"))),
+                };
+                Ok((p, progress_row(&r[1..])?))
+            })
+            .collect()
+    }
+
+    async fn forget_progress(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partitions: &[u32],
+    ) -> Result<()> {
+        let sql = sc::forget_progress_sql(&self.schema);
+        let mut tx = self
+            .client
+            .transaction("beginning to forget partitions' progress")
+            .await?;
+        for p in partitions {
+            tx.execute(
+                "forgetting a partition's progress",
+                &sql,
+                &[&group, &topic, &(*p as i32)],
+            )
+            .await?;
+        }
+        tx.commit("committing the forgotten progress").await?;
+        Ok(())
+    }
+
     async fn partitions(&mut self, group: &str, topic: &str) -> Result<Option<u32>> {
         let rows = self
             .client

@@ -513,6 +513,14 @@ entities:
             matches!(&c.sink, Sink::Kafka { brokers, topic_prefix, .. } if brokers == "b" && topic_prefix == "ev")
         );
         assert_eq!(c.relay_batch, 7);
+        assert_eq!(c.on_reject, OnReject::Stop, "the default stops");
+        let c = with("sink: { kind: kafka, brokers: b, topic_prefix: ev, on_reject: dead_letter }")
+            .unwrap();
+        assert_eq!(c.on_reject, OnReject::DeadLetter);
+        let e = with("sink: { kind: kafka, brokers: b, topic_prefix: ev, on_reject: skip }")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("on_reject") || e.contains("skip"), "{e}");
         let c = with("transport: { kind: kafka, brokers: b, topic: t, group: g }").unwrap();
         assert!(matches!(&c.transport, Transport::Kafka(k) if k.group == "g"));
         // What the types cannot hold is refused, naming the field.

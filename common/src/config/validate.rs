@@ -84,6 +84,16 @@ impl RawConfig {
                 "sink kind `kafka` needs `brokers`".into(),
             ));
         }
+        if self.sink.kind == SinkKind::Kafka {
+            if let Some(i) = self.entities.iter().position(|e| e.name == "dlq") {
+                return Err(err(
+                    &[Key("entities"), Idx(i), Key("name")],
+                    "`dlq` would share the Kafka sink's dead-letter topic `<topic_prefix>.dlq`; \
+                     rename the entity"
+                        .into(),
+                ));
+            }
+        }
         if self.sink.relay_batch < 1 {
             return Err(err(
                 &[Key("sink"), Key("relay_batch")],

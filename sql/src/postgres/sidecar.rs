@@ -30,6 +30,25 @@ pub fn progress_sql(schema: &str) -> String {
     )
 }
 
+/// Every partition's progress of `$1` group on `$2` topic, by partition.
+/// Columns: partition, then as [`progress_sql`].
+pub fn progress_all_sql(schema: &str) -> String {
+    format!(
+        "SELECT partition, position::text, source_commit, source_seq, epoch FROM {}.\"progress\" \
+         WHERE group_name = $1 AND topic = $2 ORDER BY partition",
+        qi(schema)
+    )
+}
+
+/// Forgets the progress of the partitions in the array `$3` of `$1` group
+/// on `$2` topic: their records are applied again (re-keying in-process).
+pub fn forget_progress_sql(schema: &str) -> String {
+    format!(
+        "DELETE FROM {}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = ANY($3)",
+        qi(schema)
+    )
+}
+
 /// An applier takes a partition: bumps its epoch (`$1` group, `$2` topic,
 /// `$3` partition), fencing every applier that read it before. Columns as
 /// [`progress_sql`]; no row before the partition's first commit.

@@ -24,6 +24,25 @@ pub fn progress_sql(schema: &str) -> String {
     )
 }
 
+/// Every partition's progress of `@P1` group on `@P2` topic, by
+/// partition. Columns: partition, then as [`progress_sql`].
+pub fn progress_all_sql(schema: &str) -> String {
+    format!(
+        "SELECT [partition], CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] \
+         FROM {}.[progress] WHERE [group_name] = @P1 AND [topic] = @P2 ORDER BY [partition]",
+        qi(schema)
+    )
+}
+
+/// Forgets the progress of partition `@P3` of `@P1` group on `@P2` topic:
+/// its records are applied again (re-keying in-process).
+pub fn forget_progress_sql(schema: &str) -> String {
+    format!(
+        "DELETE FROM {}.[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
+        qi(schema)
+    )
+}
+
 /// An applier takes a partition: bumps its epoch (`@P1` group, `@P2`
 /// topic, `@P3` partition), fencing every applier that read it before.
 /// Columns as [`progress_sql`]; no row before the partition's first commit.
@@ -49,10 +68,11 @@ pub fn partitions_sql(schema: &str) -> String {
 pub fn record_partitions_sql(schema: &str) -> String {
     let q = qi(schema);
     format!(
-        "UPDATE {q}.[transport] WITH (UPDLOCK, HOLDLOCK) SET [partitions] = @P3, \
+        "SET XACT_ABORT ON; BEGIN TRAN; \
+         UPDATE {q}.[transport] WITH (UPDLOCK, HOLDLOCK) SET [partitions] = @P3, \
          [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2; \
          IF @@ROWCOUNT = 0 INSERT INTO {q}.[transport] ([group_name], [topic], [partitions]) \
-         VALUES (@P1, @P2, @P3)"
+         VALUES (@P1, @P2, @P3); COMMIT TRAN;"
     )
 }
 
@@ -61,12 +81,14 @@ pub fn record_partitions_sql(schema: &str) -> String {
 pub fn relay_report_sql(schema: &str) -> String {
     let q = qi(schema);
     format!(
-        "UPDATE {q}.[relay] WITH (UPDLOCK, HOLDLOCK) SET [state] = @P2, \
+        "SET XACT_ABORT ON; BEGIN TRAN; \
+         UPDATE {q}.[relay] WITH (UPDLOCK, HOLDLOCK) SET [state] = @P2, \
          [last_error] = COALESCE(@P3, [last_error]), \
          [error_at] = CASE WHEN @P3 IS NULL THEN [error_at] ELSE SYSUTCDATETIME() END, \
          [updated_at] = SYSUTCDATETIME() WHERE [name] = @P1; \
          IF @@ROWCOUNT = 0 INSERT INTO {q}.[relay] ([name], [state], [last_error], [error_at]) \
-         VALUES (@P1, @P2, @P3, CASE WHEN @P3 IS NULL THEN NULL ELSE SYSUTCDATETIME() END)"
+         VALUES (@P1, @P2, @P3, CASE WHEN @P3 IS NULL THEN NULL ELSE SYSUTCDATETIME() END); \
+         COMMIT TRAN;"
     )
 }
 
@@ -75,7 +97,7 @@ pub fn relay_report_sql(schema: &str) -> String {
 pub fn relay_states_sql(schema: &str) -> String {
     format!(
         "SELECT [name], [state], [last_error], \
-         CONVERT(nvarchar(20), [error_at], 127), CONVERT(nvarchar(20), [updated_at], 127) \
+         CONVERT(nvarchar(19), [error_at], 126) + N'Z', CONVERT(nvarchar(19), [updated_at], 126) + N'Z' \
          FROM {}.[relay] ORDER BY [name]",
         qi(schema)
     )

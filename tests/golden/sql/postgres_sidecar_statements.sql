@@ -11,6 +11,12 @@ SELECT position::text, source_commit, source_seq, epoch FROM "skein"."progress" 
 -- an applier takes a partition
 UPDATE "skein"."progress" SET epoch = epoch + 1 WHERE group_name = $1 AND topic = $2 AND partition = $3 RETURNING position::text, source_commit, source_seq, epoch;
 
+-- progress of every partition
+SELECT partition, position::text, source_commit, source_seq, epoch FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 ORDER BY partition;
+
+-- forget partitions' progress (re-keying)
+DELETE FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = ANY($3);
+
 -- partition count of a topic
 SELECT partitions FROM "skein"."transport" WHERE group_name = $1 AND topic = $2;
 

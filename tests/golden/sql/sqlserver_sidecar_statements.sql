@@ -10,11 +10,17 @@ SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] 
 -- an applier takes a partition
 UPDATE [skein].[progress] SET [epoch] = [epoch] + 1 OUTPUT CAST(inserted.[position] AS nvarchar(40)), inserted.[source_commit], inserted.[source_seq], inserted.[epoch] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
 
+-- progress of every partition
+SELECT [partition], CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 ORDER BY [partition];
+
+-- forget partitions' progress (re-keying)
+DELETE FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
+
 -- partition count of a topic
 SELECT [partitions] FROM [skein].[transport] WHERE [group_name] = @P1 AND [topic] = @P2;
 
 -- record the partition count
-UPDATE [skein].[transport] WITH (UPDLOCK, HOLDLOCK) SET [partitions] = @P3, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2; IF @@ROWCOUNT = 0 INSERT INTO [skein].[transport] ([group_name], [topic], [partitions]) VALUES (@P1, @P2, @P3);
+SET XACT_ABORT ON; BEGIN TRAN; UPDATE [skein].[transport] WITH (UPDLOCK, HOLDLOCK) SET [partitions] = @P3, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2; IF @@ROWCOUNT = 0 INSERT INTO [skein].[transport] ([group_name], [topic], [partitions]) VALUES (@P1, @P2, @P3); COMMIT TRAN;;
 
 -- batch transaction 1a: fence
 UPDATE [skein].[progress] SET [position] = CAST(@P4 AS decimal(25,0)), [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = CAST(@P5 AS decimal(25,0)) AND [epoch] = @P8;
@@ -53,10 +59,10 @@ DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Exclus
 DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Shared', @LockOwner = 'Session', @LockTimeout = 0; SELECT CAST(@r AS bigint);
 
 -- relay: report its state
-UPDATE [skein].[relay] WITH (UPDLOCK, HOLDLOCK) SET [state] = @P2, [last_error] = COALESCE(@P3, [last_error]), [error_at] = CASE WHEN @P3 IS NULL THEN [error_at] ELSE SYSUTCDATETIME() END, [updated_at] = SYSUTCDATETIME() WHERE [name] = @P1; IF @@ROWCOUNT = 0 INSERT INTO [skein].[relay] ([name], [state], [last_error], [error_at]) VALUES (@P1, @P2, @P3, CASE WHEN @P3 IS NULL THEN NULL ELSE SYSUTCDATETIME() END);
+SET XACT_ABORT ON; BEGIN TRAN; UPDATE [skein].[relay] WITH (UPDLOCK, HOLDLOCK) SET [state] = @P2, [last_error] = COALESCE(@P3, [last_error]), [error_at] = CASE WHEN @P3 IS NULL THEN [error_at] ELSE SYSUTCDATETIME() END, [updated_at] = SYSUTCDATETIME() WHERE [name] = @P1; IF @@ROWCOUNT = 0 INSERT INTO [skein].[relay] ([name], [state], [last_error], [error_at]) VALUES (@P1, @P2, @P3, CASE WHEN @P3 IS NULL THEN NULL ELSE SYSUTCDATETIME() END); COMMIT TRAN;;
 
 -- status: relay states
-SELECT [name], [state], [last_error], CONVERT(nvarchar(20), [error_at], 127), CONVERT(nvarchar(20), [updated_at], 127) FROM [skein].[relay] ORDER BY [name];
+SELECT [name], [state], [last_error], CONVERT(nvarchar(19), [error_at], 126) + N'Z', CONVERT(nvarchar(19), [updated_at], 126) + N'Z' FROM [skein].[relay] ORDER BY [name];
 
 -- replay: rewind a partition
 UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;

@@ -18,13 +18,13 @@ use super::codec::decode;
 use super::{kafka, KafkaTransportError};
 
 /// Creates `topic` with `partitions` partitions when it is missing, and
-/// checks the partition count of an existing one.
+/// checks the partition count of an existing one; returns the count it has.
 pub async fn ensure_topic(
     config: &ClientConfig,
     topic: &str,
     partitions: u32,
     replication_factor: i32,
-) -> std::result::Result<(), KafkaTransportError> {
+) -> std::result::Result<u32, KafkaTransportError> {
     let admin: AdminClient<DefaultClientContext> = config
         .create()
         .map_err(kafka("creating the admin client"))?;
@@ -74,7 +74,7 @@ pub async fn ensure_topic(
             "topic has more partitions than configured; the extra ones stay unused"
         );
     }
-    Ok(())
+    Ok(actual as u32)
 }
 
 async fn partition_count(
