@@ -71,7 +71,7 @@ impl Knobs {
         let kills = env_num("SKEIN_CHAOS_KILLS", 8);
         let broker_restarts = match t {
             Transport::InProcess => 0,
-            Transport::Kafka => env_num("SKEIN_CHAOS_BROKER_RESTARTS", 2),
+            Transport::Kafka => broker_restarts(),
         };
         // A zombie needs a second applier process for its partitions: Kafka only.
         let zombies = match t {
@@ -97,6 +97,29 @@ impl Knobs {
                 (kills + broker_restarts + zombies) * per_fault,
             ),
         }
+    }
+}
+
+/// Broker restarts: only noida-db keeps its data across one (tansu is
+/// memory-only), and only `scripts/lib/kafka.sh` knows how to restart it.
+fn broker_restarts() -> u64 {
+    let n = env_num("SKEIN_CHAOS_BROKER_RESTARTS", 2);
+    if n == 0 {
+        return 0;
+    }
+    match std::env::var("SKEIN_TEST_KAFKA_BROKER").as_deref() {
+        Ok("noida") => n,
+        Ok(other) => {
+            eprintln!(
+                "chaos: NOTE: no broker restarts on `{other}` (SKEIN_TEST_KAFKA_BROKER): only noida-db keeps its \
+                 data across a restart"
+            );
+            0
+        }
+        Err(_) => panic!(
+            "chaos: broker restarts need SKEIN_TEST_KAFKA_BROKER=noida (the broker of SKEIN_TEST_KAFKA_BROKERS, \
+             started by scripts/lib/kafka.sh); set SKEIN_CHAOS_BROKER_RESTARTS=0 to run without them"
+        ),
     }
 }
 
