@@ -88,6 +88,33 @@ pub async fn recreate_db(admin: &Client, db_name: &str) {
     }
 }
 
+/// The schema and the config an [`Env`] starts from (paths under the
+/// repository).
+pub struct Files {
+    /// SQL creating the source tables.
+    pub schema: &'static str,
+    /// The skein YAML.
+    pub yaml: &'static str,
+}
+
+impl Files {
+    /// The quickstart's tables and config.
+    pub const QUICKSTART: Files = Files {
+        schema: "examples/quickstart/schema.sql",
+        yaml: "examples/quickstart/skein.yaml",
+    };
+}
+
+/// The transport of an [`Env`].
+pub enum TransportChoice {
+    /// As `SKEIN_TEST_TRANSPORT` says ([`kafka_brokers`]).
+    FromEnv,
+    /// In-process, whatever the environment says.
+    InProcess,
+    /// Kafka on these brokers, with a fresh topic.
+    Kafka(String),
+}
+
 /// A fresh database with the quickstart schema, plus a working directory.
 pub struct Env {
     pub name: String,
@@ -127,36 +154,82 @@ impl Env {
 
     /// [`Env::new`] on the server of `admin_url`.
     pub async fn new_at(admin_url: &str, name: &str, edit: impl Fn(String) -> String) -> Env {
+        Env::create(
+            admin_url,
+            name,
+            &Files::QUICKSTART,
+            TransportChoice::FromEnv,
+            edit,
+        )
+        .await
+    }
+
+    /// A fresh database `skein_t_<name>` with the tables of `files.schema`
+    /// and a config from `files.yaml` (paths under the repository; the
+    /// YAML's `skein_quickstart` names become `skein_<name>`), over
+    /// `transport`, with `edit` applied to the YAML text.
+    pub async fn with_files(
+        name: &str,
+        files: &Files,
+        transport: TransportChoice,
+        edit: impl Fn(String) -> String,
+    ) -> Env {
+        Env::create(&admin_url(), name, files, transport, edit).await
+    }
+
+    async fn create(
+        admin_url: &str,
+        name: &str,
+        files: &Files,
+        transport: TransportChoice,
+        edit: impl Fn(String) -> String,
+    ) -> Env {
         let admin = connect(admin_url).await;
         let db_name = format!("skein_t_{name}");
         recreate_db(&admin, &db_name).await;
         let url = format!("{}/{db_name}", admin_url.rsplit_once('/').unwrap().0);
         let db = connect(&url).await;
-        db.batch_execute(
-            &std::fs::read_to_string(root().join("examples/quickstart/schema.sql")).unwrap(),
-        )
-        .await
-        .unwrap();
-        Env::existing_at(admin_url, name, edit).await
+        db.batch_execute(&std::fs::read_to_string(root().join(files.schema)).unwrap())
+            .await
+            .unwrap();
+        Env::existing_with(admin_url, name, files, transport, edit).await
     }
 
     /// Like [`Env::new`] on a database `skein_t_<name>` the caller created.
     pub async fn new_in_existing(name: &str, edit: impl Fn(String) -> String) -> Env {
-        Env::existing_at(&admin_url(), name, edit).await
+        Env::existing_with(
+            &admin_url(),
+            name,
+            &Files::QUICKSTART,
+            TransportChoice::FromEnv,
+            edit,
+        )
+        .await
     }
 
-    async fn existing_at(admin_url: &str, name: &str, edit: impl Fn(String) -> String) -> Env {
+    async fn existing_with(
+        admin_url: &str,
+        name: &str,
+        files: &Files,
+        transport: TransportChoice,
+        edit: impl Fn(String) -> String,
+    ) -> Env {
         let db_name = format!("skein_t_{name}");
         let url = format!("{}/{db_name}", admin_url.rsplit_once('/').unwrap().0);
         let db = connect(&url).await;
         let dir = root().join("target/test-runs").join(name);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let yaml = std::fs::read_to_string(root().join("examples/quickstart/skein.yaml"))
+        let yaml = std::fs::read_to_string(root().join(files.yaml))
             .unwrap()
             .replace("skein_quickstart", &format!("skein_{name}"))
             .replace("also_stdout: true", "also_stdout: false");
-        let yaml = match kafka_brokers() {
+        let brokers = match transport {
+            TransportChoice::FromEnv => kafka_brokers(),
+            TransportChoice::InProcess => None,
+            TransportChoice::Kafka(b) => Some(b),
+        };
+        let yaml = match brokers {
             Some(b) => kafka_transport_yaml(&yaml, &b, &fresh_topic(name)),
             None => yaml,
         };
