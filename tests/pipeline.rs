@@ -772,3 +772,51 @@ async fn rekeying_with_a_lost_state_directory_loses_nothing() {
 async fn rekeying_an_upgraded_sidecar_loses_nothing() {
     rekey_after_a_half_applied_batch("rekey_upgraded", "forget the recorded count").await;
 }
+
+/// A table in two entities (`invoice`: a child of `account`, the root of
+/// `invoice`) with a composite key. The catalog once listed such a table's
+/// columns once per entity, so its key came out twice (`invoice.A,A,1,1`)
+/// and its events were never matched to the aggregate (found by the chaos
+/// harness).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_table_in_two_entities_keeps_its_key() {
+    let files = Files {
+        schema: "tests/fixtures/chaos_schema.sql",
+        yaml: "tests/fixtures/chaos.yaml",
+    };
+    let env = Env::with_files(
+        "table_in_two_entities",
+        &files,
+        TransportChoice::FromEnv,
+        same,
+    )
+    .await;
+    let mut run = env.start().await;
+    env.exec(
+        "BEGIN;
+         INSERT INTO account (region, acct_no, name, rev, total, line_count, invoice_count)
+           VALUES ('EU', 7, 'Ada', 1, 12.50, 1, 1);
+         INSERT INTO invoice (series, invoice_no, region, acct_no, memo, rev, total, line_count)
+           VALUES ('A', 1, 'EU', 7, 'm', 1, 12.50, 1);
+         INSERT INTO invoice_line VALUES ('A', 1, 1, 'sku', 12.50);
+         COMMIT;",
+    )
+    .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let mut subjects = env.subject_actions();
+    subjects.sort();
+    assert_eq!(
+        subjects,
+        ["account.EU,7 created", "invoice.A,1 created"],
+        "{:#?}",
+        env.events()
+    );
+    let invoice = env
+        .events()
+        .into_iter()
+        .find(|e| e["subject"] == "invoice.A,1")
+        .unwrap();
+    assert_eq!(invoice["data"]["lines"][0]["sku"], "sku");
+    assert_exactly_once(&env).await;
+}

@@ -39,14 +39,9 @@ pub async fn connect(url: &Secret, what: &str) -> Result<tokio_postgres::Client>
 
 /// Reads the catalog of every table of every entity.
 pub async fn load_catalog(client: &tokio_postgres::Client, cfg: &Config) -> Result<Catalog> {
-    let mut schemas = vec![];
-    let mut tables = vec![];
-    for e in &cfg.entities {
-        for n in e.nodes() {
-            schemas.push(n.schema.clone());
-            tables.push(n.table.clone());
-        }
-    }
+    // Each table once: a table in two entities would otherwise list its
+    // columns (and key) twice.
+    let (schemas, tables): (Vec<String>, Vec<String>) = cfg.tables().into_iter().unzip();
     let rows = client
         .query(CATALOG_QUERY, &[&schemas, &tables])
         .await

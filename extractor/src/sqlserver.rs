@@ -281,46 +281,40 @@ fn int_of(v: &SqlValue, what: &str) -> Result<i64> {
 /// left out (the catalog check names it).
 pub async fn load_catalog(client: &mut MssqlClient, cfg: &Config) -> Result<Catalog> {
     let mut cat = Catalog::default();
-    let mut seen = std::collections::BTreeSet::new();
-    for e in &cfg.entities {
-        for n in e.nodes() {
-            if !seen.insert((n.schema.clone(), n.table.clone())) {
-                continue;
+    for (schema, table) in cfg.tables() {
+        let rows = client
+            .query(
+                &format!("reading the columns of {schema}.{table}"),
+                skein_sql::sqlserver::CATALOG_SQL,
+                &[&schema.as_str(), &table.as_str()],
+            )
+            .await?;
+        if rows.is_empty() {
+            continue;
+        }
+        let mut pk: Vec<(i64, String)> = vec![];
+        let mut columns = vec![];
+        for r in rows {
+            let text = |i: usize| r.get(i).and_then(SqlValue::to_text).unwrap_or_default();
+            let name = text(0);
+            if let Some(SqlValue::Int(k)) = r.get(4) {
+                pk.push((*k, name.clone()));
             }
-            let rows = client
-                .query(
-                    &format!("reading the columns of {}", n.qualified()),
-                    skein_sql::sqlserver::CATALOG_SQL,
-                    &[&n.schema.as_str(), &n.table.as_str()],
-                )
-                .await?;
-            if rows.is_empty() {
-                continue;
-            }
-            let mut pk: Vec<(i64, String)> = vec![];
-            let mut columns = vec![];
-            for r in rows {
-                let text = |i: usize| r.get(i).and_then(SqlValue::to_text).unwrap_or_default();
-                let name = text(0);
-                if let Some(SqlValue::Int(k)) = r.get(4) {
-                    pk.push((*k, name.clone()));
-                }
-                columns.push(ColumnInfo {
-                    name,
-                    type_name: text(1),
-                    data_type: text(2),
-                    nullable: matches!(r.get(3), Some(SqlValue::Bit(true))),
-                });
-            }
-            pk.sort();
-            cat.insert(TableInfo {
-                schema: n.schema.clone(),
-                table: n.table.clone(),
-                columns,
-                primary_key: pk.into_iter().map(|(_, c)| c).collect(),
-                replica_identity: 'd',
+            columns.push(ColumnInfo {
+                name,
+                type_name: text(1),
+                data_type: text(2),
+                nullable: matches!(r.get(3), Some(SqlValue::Bit(true))),
             });
         }
+        pk.sort();
+        cat.insert(TableInfo {
+            schema,
+            table,
+            columns,
+            primary_key: pk.into_iter().map(|(_, c)| c).collect(),
+            replica_identity: 'd',
+        });
     }
     Ok(cat)
 }

@@ -415,6 +415,18 @@ impl Config {
     pub fn entity(&self, name: &str) -> Option<&EntityConfig> {
         self.entities.iter().find(|e| e.name == name)
     }
+
+    /// Every table the entities name, each once (a table may be in two
+    /// entities, or twice in one), as `(schema, table)` in first-seen order.
+    pub fn tables(&self) -> Vec<(String, String)> {
+        let mut seen = std::collections::HashSet::new();
+        self.entities
+            .iter()
+            .flat_map(|e| e.nodes())
+            .map(|n| (n.schema, n.table))
+            .filter(|t| seen.insert(t.clone()))
+            .collect()
+    }
 }
 
 /// Replaces `${NAME}` with the environment variable `NAME` (so secrets and
