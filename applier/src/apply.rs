@@ -185,7 +185,15 @@ impl<S: Sidecar> Applier<S> {
         // aggregate's tables or in none, so every event is a state that
         // existed. The snapshot ends (commits or, after an error, rolls
         // back) before anything else can fail.
-        self.source.begin_snapshot().await?;
+        // Normal PostgreSQL ids only (0-2 are special; explicit runs use none).
+        let mut xids: Vec<u64> = records
+            .iter()
+            .map(|r| r.tx_id)
+            .filter(|x| *x >= 3)
+            .collect();
+        xids.sort_unstable();
+        xids.dedup();
+        self.source.begin_snapshot(&xids).await?;
         let read = hydrate_all(&self.hydrators, &mut self.source, &by_entity).await;
         // A hydration error is the cause; ending the snapshot after it can
         // only fail for the same reason (a lost connection).

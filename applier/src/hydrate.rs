@@ -8,6 +8,9 @@
 //! not depend on where it lives.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use tracing::warn;
 
 use crate::connect_postgres;
 use serde_json::{Map, Value};
@@ -45,6 +48,25 @@ pub enum Source {
 /// Opens the snapshot a batch's hydration reads in.
 pub const BEGIN_SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
 
+/// How long a batch waits for its source transactions to become visible
+/// before it fails (and is retried by a restart).
+const VISIBILITY_WAIT: Duration = Duration::from_secs(60);
+
+/// Of the 32-bit transaction ids `$1` (from the change stream, all
+/// committed), those the current snapshot does not see yet. A 32-bit id is
+/// widened to the `xid8` of the epoch that makes it no later than the
+/// snapshot's `xmax`.
+const UNSEEN_XIDS_SQL: &str = "\
+SELECT coalesce(array_agg(v), '{}') FROM (
+  SELECT pg_current_snapshot() AS snap,
+         pg_snapshot_xmax(pg_current_snapshot())::text::numeric AS xmax) s,
+  unnest($1::int8[]) AS v
+WHERE NOT pg_visible_in_snapshot(
+  (CASE WHEN floor(s.xmax / 4294967296) * 4294967296 + v <= s.xmax
+        THEN floor(s.xmax / 4294967296) * 4294967296 + v
+        ELSE (floor(s.xmax / 4294967296) - 1) * 4294967296 + v END)::text::xid8,
+  s.snap)";
+
 impl Source {
     /// Connects to the configured source for reading state.
     pub async fn connect(cfg: &Config) -> Result<Source> {
@@ -76,26 +98,62 @@ impl Source {
 
     /// Starts the one snapshot a batch's hydration reads: PostgreSQL,
     /// a `REPEATABLE READ READ ONLY` transaction (one left open by a batch
-    /// that failed midway is rolled back first, never read on). SQL Server:
+    /// that failed midway is rolled back first, never read on) whose
+    /// snapshot sees every source transaction in `xids` (the batch's). The
+    /// change stream carries a commit once its WAL is flushed, a moment
+    /// before other sessions see it (longer under load, or while the
+    /// commit waits for a synchronous standby): hydrating then would read
+    /// the state before it and publish nothing for it, so the snapshot is
+    /// taken again, after a pause, until it sees them all. SQL Server:
     /// nothing yet — each table is read by its own statement at the
     /// database's isolation level (the README says what that gives).
-    pub async fn begin_snapshot(&mut self) -> Result<()> {
+    pub async fn begin_snapshot(&mut self, xids: &[u64]) -> Result<()> {
         match self {
             Source::Postgres {
                 client,
                 in_snapshot,
             } => {
-                let sql = if *in_snapshot {
-                    format!("ROLLBACK; {BEGIN_SNAPSHOT}")
-                } else {
-                    BEGIN_SNAPSHOT.to_string()
-                };
-                client
-                    .batch_execute(&sql)
-                    .await
-                    .map_err(db("opening the hydration snapshot"))?;
-                *in_snapshot = true;
-                Ok(())
+                let xids: Vec<i64> = xids.iter().map(|x| *x as i64).collect();
+                let started = Instant::now();
+                let mut pause = Duration::from_millis(5);
+                loop {
+                    let sql = if *in_snapshot {
+                        format!("ROLLBACK; {BEGIN_SNAPSHOT}")
+                    } else {
+                        BEGIN_SNAPSHOT.to_string()
+                    };
+                    client
+                        .batch_execute(&sql)
+                        .await
+                        .map_err(db("opening the hydration snapshot"))?;
+                    *in_snapshot = true;
+                    if xids.is_empty() {
+                        return Ok(());
+                    }
+                    // The first statement: it takes the snapshot it checks.
+                    let unseen: Vec<i64> = client
+                        .query_one(UNSEEN_XIDS_SQL, &[&xids])
+                        .await
+                        .map_err(db("checking the snapshot sees the batch's transactions"))?
+                        .get(0);
+                    if unseen.is_empty() {
+                        return Ok(());
+                    }
+                    let waited = started.elapsed();
+                    if waited >= VISIBILITY_WAIT {
+                        return Err(Error::Data(format!(
+                            "source transactions {unseen:?} are in the change stream but still not \
+                             visible to other sessions after {waited:?} (a commit waiting for a \
+                             synchronous standby that is away?); the batch is not applied"
+                        )));
+                    }
+                    if pause >= Duration::from_millis(200) {
+                        warn!(xids = ?unseen, waited_ms = waited.as_millis() as u64,
+                            "waiting for committed source transactions to become visible");
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
             }
             Source::SqlServer(_) => Ok(()),
         }
