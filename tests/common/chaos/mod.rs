@@ -19,6 +19,8 @@ pub mod faults;
 pub mod workload;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -56,6 +58,8 @@ pub struct Knobs {
     pub aggregates: u64,
     pub big_tx: u64,
     pub seconds: u64,
+    /// Milliseconds between the hot writer's transactions (0: none).
+    pub hot_ms: u64,
 }
 
 impl Knobs {
@@ -96,6 +100,7 @@ impl Knobs {
                 "SKEIN_CHAOS_SECONDS",
                 (kills + broker_restarts + zombies) * per_fault,
             ),
+            hot_ms: env_num("SKEIN_CHAOS_HOT_MS", 20),
         }
     }
 }
@@ -129,7 +134,7 @@ pub async fn run(t: Transport) {
     let k = Knobs::from_env(t);
     let replay = format!(
         "SKEIN_CHAOS_SEED={} SKEIN_CHAOS_CHANGES={} SKEIN_CHAOS_KILLS={} SKEIN_CHAOS_BROKER_RESTARTS={} \
-         SKEIN_CHAOS_ZOMBIES={} SKEIN_CHAOS_AGGREGATES={} SKEIN_CHAOS_BIG_TX={} SKEIN_CHAOS_SECONDS={}",
+         SKEIN_CHAOS_ZOMBIES={} SKEIN_CHAOS_AGGREGATES={} SKEIN_CHAOS_BIG_TX={} SKEIN_CHAOS_SECONDS={} SKEIN_CHAOS_HOT_MS={}",
         k.seed,
         k.changes,
         k.kills,
@@ -137,7 +142,8 @@ pub async fn run(t: Transport) {
         k.zombies,
         k.aggregates,
         k.big_tx,
-        k.seconds
+        k.seconds,
+        k.hot_ms
     );
     eprintln!("chaos {t:?}: {replay}");
     let started = Instant::now();
@@ -164,12 +170,24 @@ pub async fn run(t: Transport) {
         aggregates: k.aggregates,
         big_tx: k.big_tx,
         duration: Duration::from_secs(k.seconds),
+        hot_every: Duration::from_millis(k.hot_ms),
     };
     let mut pipeline = Pipeline::new(&env, t, rng.gen());
     pipeline.start_all().await;
 
     let db = connect(&env.url).await;
-    let workload = tokio::spawn(async move { workload::play(&db, &plan).await });
+    let hot_db = connect(&env.url).await;
+    let workload = tokio::spawn(async move {
+        let stop = Arc::new(AtomicBool::new(false));
+        let hot = (!plan.hot_every.is_zero())
+            .then(|| tokio::spawn(workload::play_hot(hot_db, plan.clone(), stop.clone())));
+        let mut played = workload::play(&db, &plan).await;
+        stop.store(true, Ordering::Relaxed);
+        if let Some(hot) = hot {
+            played.merge_hot(hot.await.unwrap());
+        }
+        played
+    });
     let mut violations = Violations::default();
     pipeline
         .chaos(
@@ -217,8 +235,8 @@ pub async fn run(t: Transport) {
     let mut report = format!("\n== chaos {t:?} figures ({replay})\n");
     let f = &pipeline.figures;
     report += &format!(
-        "  changes                    {} in {} transactions (large one: {} rows)\n",
-        played.changes, played.txs, played.big_tx_rows
+        "  changes                    {} in {} transactions (large one: {} rows; hot writer: {} in {})\n",
+        played.changes, played.txs, played.big_tx_rows, played.hot_changes, played.hot_txs
     );
     report += &format!(
         "  aggregates touched         {} (touches per aggregate: median {}, p90 {}, max {}; {:.0}% touched at most 3 times)\n",

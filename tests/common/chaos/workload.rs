@@ -11,6 +11,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::hash::Hash;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -98,6 +100,9 @@ pub struct Played {
     pub txs: u64,
     /// Rows changed by the one large transaction.
     pub big_tx_rows: u64,
+    /// Of `changes` and `txs`: those of the hot writer.
+    pub hot_changes: u64,
+    pub hot_txs: u64,
     /// Every `rev` the workload gave each aggregate (by subject), in order:
     /// the states that existed.
     pub history: HashMap<String, Vec<i64>>,
@@ -117,6 +122,9 @@ pub struct Plan {
     pub big_tx: u64,
     /// Spread the workload over at least this long (zero: full speed).
     pub duration: Duration,
+    /// The hot writer's pause between its transactions (zero: no hot
+    /// writer); see [`play_hot`].
+    pub hot_every: Duration,
 }
 
 /// The model and the transaction being built.
@@ -125,6 +133,8 @@ struct Workload {
     accounts: Indexed<AKey, Account>,
     invoices: Indexed<IKey, Invoice>,
     per_region: i32,
+    /// Added to every account number drawn (the hot writer's are apart).
+    acct_base: i32,
     next_invoice: i32,
     /// This transaction's number: the `rev` it gives what it touches.
     rev: i64,
@@ -148,6 +158,7 @@ impl Workload {
             accounts: Indexed::new(),
             invoices: Indexed::new(),
             per_region: (plan.aggregates.div_ceil(REGIONS.len() as u64)).max(1) as i32,
+            acct_base: 0,
             next_invoice: 1,
             rev: 0,
             sql: String::new(),
@@ -168,7 +179,7 @@ impl Workload {
         (0..4).find_map(|_| {
             let k = (
                 self.rng.gen_range(0..REGIONS.len()),
-                self.rng.gen_range(1..=self.per_region),
+                self.acct_base + self.rng.gen_range(1..=self.per_region),
             );
             (!self.accounts.contains(&k)).then_some(k)
         })
@@ -666,6 +677,66 @@ impl Workload {
             history.entry(account_subject(a)).or_default().push(rev);
         }
         sql
+    }
+}
+
+/// Key numbers of the hot writer's aggregates, far from the main workload's.
+const HOT_BASE: i32 = 1_000_000_000;
+
+/// The hot writer: on its own connection, until `stop`, small transactions
+/// every `plan.hot_every` on a few aggregates of its own (repriced, added,
+/// deleted and moved lines; totals and `rev` kept as the main workload
+/// keeps them). The main workload is paced and alone would rarely commit
+/// while the applier reads an aggregate's tables; this one commits often
+/// enough that a hydration not done in one snapshot shows a torn state.
+pub async fn play_hot(db: Client, plan: Plan, stop: Arc<AtomicBool>) -> Played {
+    let mut w = Workload::new(&plan);
+    w.rng = StdRng::seed_from_u64(plan.seed ^ 0x0005_eed0_f407);
+    w.per_region = 1;
+    w.acct_base = HOT_BASE;
+    w.next_invoice = HOT_BASE;
+    let mut out = Played::default();
+    w.rev = 1;
+    for _ in 0..3 {
+        w.create_account();
+    }
+    for _ in 0..3 {
+        w.add_invoice();
+        w.add_lines();
+    }
+    let started = Instant::now();
+    loop {
+        let sql = w.finish(&mut out.history);
+        if !sql.is_empty() {
+            out.changes += commit(&db, &sql).await;
+            out.txs += 1;
+        }
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        tokio::time::sleep(plan.hot_every).await;
+        w.rev += 1;
+        match w.rng.gen_range(0..10) {
+            0 => w.add_lines(),
+            1 => w.delete_line(),
+            2 => w.move_line(),
+            _ => w.update_lines(),
+        }
+    }
+    out.hot_changes = out.changes;
+    out.hot_txs = out.txs;
+    out.elapsed = started.elapsed();
+    out
+}
+
+impl Played {
+    /// Adds the hot writer's figures and history (its aggregates are its own).
+    pub fn merge_hot(&mut self, hot: Played) {
+        self.changes += hot.changes;
+        self.txs += hot.txs;
+        self.hot_changes += hot.hot_changes;
+        self.hot_txs += hot.hot_txs;
+        self.history.extend(hot.history);
     }
 }
 
