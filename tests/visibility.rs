@@ -105,3 +105,44 @@ async fn a_commit_decoded_before_it_is_visible_is_still_published() {
     );
     assert_exactly_once(&env).await;
 }
+
+/// Which ids the check waits for, against a given snapshot and next id.
+async fn unseen(snapshot: &str, next: &str, xids: &[i64]) -> Vec<i64> {
+    let c = connect(&admin_url()).await;
+    c.query_one(
+        skein_applier::hydrate::UNSEEN_XIDS_SQL,
+        &[&xids.to_vec(), &Some(snapshot), &Some(next)],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// The 32-bit ids of the stream are widened against the next id to be
+/// assigned, not the snapshot's xmax (the last completed id + 1): past the
+/// first epoch, an id streamed but not yet visible can be above xmax, and
+/// widening it against xmax put it in the previous epoch, "visible", so the
+/// batch was hydrated without it. An id that widens below 0 is not of this
+/// cluster's history and is never waited for.
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_ids_are_widened_against_the_next_id() {
+    let e1 = 1i64 << 32;
+    // Epoch 1, ids up to 2^32+99 completed, 2^32+100 and +101 running (the
+    // next to assign is +102); 2^32+50 committed long ago.
+    let snap = format!("{}:{}:", e1 + 100, e1 + 100);
+    let next = (e1 + 102).to_string();
+    assert_eq!(unseen(&snap, &next, &[50, 100, 101]).await, [100, 101]);
+    // Just past an epoch boundary: 4294967290 is from the epoch before.
+    let snap = format!("{}:{}:", e1 + 5, e1 + 5);
+    let next = (e1 + 6).to_string();
+    assert_eq!(
+        unseen(&snap, &next, &[4_294_967_290, 3, 5]).await,
+        [5],
+        "an id of the previous epoch is seen; +5 is running"
+    );
+    // Epoch 0: an id above the next one cannot be of this cluster.
+    assert_eq!(
+        unseen("100:100:", "102", &[3_000_000_000, 101]).await,
+        [101]
+    );
+}

@@ -185,7 +185,7 @@ impl<S: Sidecar> Applier<S> {
         // aggregate's tables or in none, so every event is a state that
         // existed. The snapshot ends (commits or, after an error, rolls
         // back) before anything else can fail.
-        // Normal PostgreSQL ids only (0-2 are special; explicit runs use none).
+        // Normal PostgreSQL ids only (0-2 are special).
         let mut xids: Vec<u64> = records
             .iter()
             .map(|r| r.tx_id)

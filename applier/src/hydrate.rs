@@ -53,19 +53,25 @@ pub const BEGIN_SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONL
 const VISIBILITY_WAIT: Duration = Duration::from_secs(60);
 
 /// Of the 32-bit transaction ids `$1` (from the change stream, all
-/// committed), those the current snapshot does not see yet. A 32-bit id is
-/// widened to the `xid8` of the epoch that makes it no later than the
-/// snapshot's `xmax`.
-const UNSEEN_XIDS_SQL: &str = "\
-SELECT coalesce(array_agg(v), '{}') FROM (
-  SELECT pg_current_snapshot() AS snap,
-         pg_snapshot_xmax(pg_current_snapshot())::text::numeric AS xmax) s,
-  unnest($1::int8[]) AS v
-WHERE NOT pg_visible_in_snapshot(
-  (CASE WHEN floor(s.xmax / 4294967296) * 4294967296 + v <= s.xmax
-        THEN floor(s.xmax / 4294967296) * 4294967296 + v
-        ELSE (floor(s.xmax / 4294967296) - 1) * 4294967296 + v END)::text::xid8,
-  s.snap)";
+/// committed), those the snapshot does not see yet. The snapshot is the
+/// transaction's (`$2`, as `pg_snapshot` text, replaces it in tests).
+///
+/// A 32-bit id is widened to the `xid8` of the epoch that puts it at or
+/// below the next id to be assigned (`$3` replaces it in tests): not below
+/// the snapshot's `xmax`, which is only the last *completed* id + 1, while
+/// a transaction already streamed but not yet visible can be above it.
+/// `age(xid)` gives the next id without assigning one (the transaction is
+/// read-only). An id that would widen below 0 is not of this cluster's
+/// history (records from before a restore): it counts as seen, never
+/// waited for.
+pub const UNSEEN_XIDS_SQL: &str = "\
+WITH s AS (SELECT coalesce($2::text::pg_snapshot, pg_current_snapshot()) AS snap),
+m AS (SELECT snap, pg_snapshot_xmax(snap)::text::numeric AS xmax FROM s),
+n AS (SELECT snap, coalesce($3::text::numeric, xmax + age((xmax % 4294967296)::text::xid)) AS nxt FROM m),
+w AS (SELECT snap, v, floor(nxt / 4294967296) * 4294967296 + v AS c, nxt FROM n, unnest($1::int8[]) AS v),
+x AS (SELECT snap, v, CASE WHEN c > nxt THEN c - 4294967296 ELSE c END AS full_id FROM w)
+SELECT coalesce(array_agg(v ORDER BY v), '{}') FROM x
+WHERE full_id >= 0 AND NOT pg_visible_in_snapshot(full_id::text::xid8, snap)";
 
 impl Source {
     /// Connects to the configured source for reading state.
@@ -132,7 +138,7 @@ impl Source {
                     }
                     // The first statement: it takes the snapshot it checks.
                     let unseen: Vec<i64> = client
-                        .query_one(UNSEEN_XIDS_SQL, &[&xids])
+                        .query_one(UNSEEN_XIDS_SQL, &[&xids, &None::<String>, &None::<String>])
                         .await
                         .map_err(db("checking the snapshot sees the batch's transactions"))?
                         .get(0);
@@ -147,6 +153,12 @@ impl Source {
                              synchronous standby that is away?); the batch is not applied"
                         )));
                     }
+                    // Not read on: the next try takes a new snapshot.
+                    client
+                        .batch_execute("ROLLBACK")
+                        .await
+                        .map_err(db("closing a snapshot taken too early"))?;
+                    *in_snapshot = false;
                     if pause >= Duration::from_millis(200) {
                         warn!(xids = ?unseen, waited_ms = waited.as_millis() as u64,
                             "waiting for committed source transactions to become visible");
