@@ -39,7 +39,7 @@ impl Violations {
 }
 
 /// Every kind of violation the checker counts (printed even when zero).
-pub const KINDS: [&str; 13] = [
+pub const KINDS: [&str; 14] = [
     "duplicate outbox ids",
     "lost events (outbox, not in the sink)",
     "unknown events (sink, not in the outbox)",
@@ -53,6 +53,7 @@ pub const KINDS: [&str; 13] = [
     "lost aggregates",
     "wrong final states",
     "broker lost data",
+    "silent data loss",
 ];
 
 /// What the checker saw besides the violations.

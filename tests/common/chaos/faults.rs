@@ -454,7 +454,14 @@ impl<'a> Pipeline<'a> {
             {
                 // The slot still exists: skein must resume from it and the
                 // sidecar's progress without loss.
-                std::fs::remove_dir_all(self.env.dir.join("state")).unwrap();
+                // (A process killed right after its start may not have
+                // created it yet.)
+                match std::fs::remove_dir_all(self.env.dir.join("state")) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        panic!("chaos: deleting the state directory: {e}")
+                    }
+                    _ => {}
+                }
                 self.figures.state_wipes += 1;
                 self.note(&format!(
                     "SIGKILL skein {kind}, deleted its state directory, restart in {down} ms"

@@ -221,6 +221,7 @@ pub async fn run(t: Transport) {
         &mut violations,
     )
     .await;
+    let loss_detected = data_loss_is_never_silent(&env, t, k.seed, &mut violations).await;
 
     // The figures.
     let mut touches: Vec<usize> = played.history.values().map(Vec::len).collect();
@@ -252,6 +253,7 @@ pub async fn run(t: Transport) {
         f.kills
     );
     report += &format!("  broker restarts            {}\n", f.broker_restarts);
+    report += &format!("  data loss at the end       {loss_detected}\n");
     report += &format!(
         "  zombie appliers            {} (commit fenced: {})\n",
         f.zombies, f.zombies_fenced
@@ -303,4 +305,95 @@ pub async fn run(t: Transport) {
         violations.total(),
         report
     );
+}
+
+/// The last fault, once the checks above are done: with the pipeline down,
+/// the slot is dropped (and, for odd seeds, the extractor's state directory
+/// deleted too) and the source changes. The extractor must refuse to start
+/// with a `data loss` error; in-process, `continue_with_data_loss: true`
+/// must then go on and record the loss in a sidecar batch row. Returns
+/// what happened, for the figures.
+async fn data_loss_is_never_silent(
+    env: &Env,
+    t: Transport,
+    seed: u64,
+    v: &mut Violations,
+) -> String {
+    const KIND: &str = "silent data loss";
+    env.drop_slot().await;
+    let lost_state = seed % 2 == 1;
+    if lost_state {
+        let _ = std::fs::remove_dir_all(env.dir.join("state"));
+    }
+    env.exec(
+        "INSERT INTO account (region, acct_no, name, rev) VALUES ('EU', -1, 'changed while the slot was gone', 0)",
+    )
+    .await;
+    let cmd = env.extractor_command();
+    let what = format!(
+        "slot dropped{}",
+        if lost_state {
+            " and state directory deleted"
+        } else {
+            ""
+        }
+    );
+    match env.refused_within(cmd, Duration::from_secs(90)) {
+        Some(err) if err.contains("data loss") => {}
+        Some(err) => {
+            v.add(KIND, || {
+                format!("{what}: skein {cmd} refused, but not as data loss: {err}")
+            });
+            return format!("{what}: refused without saying data loss");
+        }
+        None => {
+            v.add(KIND, || {
+                format!("{what}: skein {cmd} started as if nothing was lost")
+            });
+            return format!("{what}: NOT detected");
+        }
+    }
+    if t == Transport::Kafka {
+        return format!("{what}: refused with a data loss error");
+    }
+    // Going on must leave the loss on record in the sidecar.
+    let yaml = std::fs::read_to_string(&env.config).unwrap();
+    let yaml = if yaml.contains("extractor: {") {
+        yaml.replacen(
+            "extractor: {",
+            "extractor: { continue_with_data_loss: true,",
+            1,
+        )
+    } else {
+        yaml.replacen(
+            "state_dir:",
+            "extractor: { continue_with_data_loss: true }\nstate_dir:",
+            1,
+        )
+    };
+    std::fs::write(&env.config, yaml).unwrap();
+    let log = std::fs::File::create(env.dir.join("logs").join("run.data-loss.log")).unwrap();
+    let mut run = env.command(&["run"]).stderr(log).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let recorded = loop {
+        let n: i64 = env
+            .db
+            .query_one("SELECT count(*) FROM skein.batch WHERE has_data_loss", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if n > 0 || Instant::now() > deadline {
+            break n > 0;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let _ = run.kill();
+    let _ = run.wait();
+    if !recorded {
+        v.add(KIND, || {
+            format!("{what}: with continue_with_data_loss no batch row has has_data_loss")
+        });
+        return format!("{what}: refused, but going on did not record it");
+    }
+    format!("{what}: refused, then recorded in a batch row")
 }
