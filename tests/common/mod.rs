@@ -78,6 +78,11 @@ pub async fn connect(url: &str) -> Client {
 }
 
 /// Drops (with its slots) and creates a database.
+/// The URL of test database `skein_t_<name>` on the server of `admin_url`.
+fn test_db_url(admin_url: &str, name: &str) -> String {
+    format!("{}/skein_t_{name}", admin_url.rsplit_once('/').unwrap().0)
+}
+
 pub async fn recreate_db(admin: &Client, db_name: &str) {
     for sql in [
         format!("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{db_name}'"),
@@ -185,10 +190,8 @@ impl Env {
         edit: impl Fn(String) -> String,
     ) -> Env {
         let admin = connect(admin_url).await;
-        let db_name = format!("skein_t_{name}");
-        recreate_db(&admin, &db_name).await;
-        let url = format!("{}/{db_name}", admin_url.rsplit_once('/').unwrap().0);
-        let db = connect(&url).await;
+        recreate_db(&admin, &format!("skein_t_{name}")).await;
+        let db = connect(&test_db_url(admin_url, name)).await;
         db.batch_execute(&std::fs::read_to_string(root().join(files.schema)).unwrap())
             .await
             .unwrap();
@@ -214,8 +217,7 @@ impl Env {
         transport: TransportChoice,
         edit: impl Fn(String) -> String,
     ) -> Env {
-        let db_name = format!("skein_t_{name}");
-        let url = format!("{}/{db_name}", admin_url.rsplit_once('/').unwrap().0);
+        let url = test_db_url(admin_url, name);
         let db = connect(&url).await;
         let dir = root().join("target/test-runs").join(name);
         let _ = std::fs::remove_dir_all(&dir);
@@ -410,29 +412,11 @@ impl Env {
 
     /// [`Env::settle`] with a deadline for a long backlog.
     pub async fn settle_within(&self, running: &mut Running, within: Duration) {
-        let probe: String = self
-            .db
-            .query_one(
-                "SELECT pg_logical_emit_message(true, 'skein.probe', '')::text",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let probe = self.probe().await;
         let deadline = Instant::now() + within;
         loop {
             running.check_alive(self);
-            let done: Option<bool> = self
-                .db
-                .query_one(
-                    "SELECT (SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $2)
-                       AND NOT EXISTS (SELECT 1 FROM skein.outbox WHERE dequeued_at IS NULL)",
-                    &[&probe, &self.slot()],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if done == Some(true) && (!self.is_kafka() || self.kafka_caught_up()) {
+            if self.drained(&probe).await {
                 return;
             }
             assert!(
@@ -442,6 +426,36 @@ impl Env {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Writes a probe into the WAL now; [`Env::drained`] tells when the
+    /// pipeline is past it.
+    pub async fn probe(&self) -> String {
+        self.db
+            .query_one(
+                "SELECT pg_logical_emit_message(true, 'skein.probe', '')::text",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    /// Whether everything committed before `probe` is through the pipeline
+    /// and relayed: the slot confirmed it, the outbox is empty and (Kafka)
+    /// every partition's progress is at the log end.
+    pub async fn drained(&self, probe: &str) -> bool {
+        let done: Option<bool> = self
+            .db
+            .query_one(
+                "SELECT (SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $2)
+                   AND NOT EXISTS (SELECT 1 FROM skein.outbox WHERE dequeued_at IS NULL)",
+                &[&probe, &self.slot()],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        done == Some(true) && (!self.is_kafka() || self.kafka_caught_up())
     }
 
     /// Kafka: every partition's sidecar progress is at the log end

@@ -662,33 +662,11 @@ impl<'a> Pipeline<'a> {
     /// relayed: the slot confirmed a probe written now, the outbox is empty
     /// and (Kafka) every partition's progress is at the log end.
     pub async fn settle(&mut self, within: Duration) {
-        let probe: String = self
-            .env
-            .db
-            .query_one(
-                "SELECT pg_logical_emit_message(true, 'skein.probe', '')::text",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let probe = self.env.probe().await;
         let deadline = Instant::now() + within;
         loop {
             self.tend();
-            let done: Option<bool> = self
-                .env
-                .db
-                .query_one(
-                    "SELECT (SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $2)
-                       AND NOT EXISTS (SELECT 1 FROM skein.outbox WHERE dequeued_at IS NULL)",
-                    &[&probe, &self.env.slot()],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if done == Some(true)
-                && (self.transport == Transport::InProcess || self.env.kafka_caught_up())
-            {
+            if self.env.drained(&probe).await {
                 return;
             }
             assert!(
