@@ -202,18 +202,46 @@ pub fn decode(data: &Bytes) -> Result<Message> {
 }
 
 /// Turns a tuple into a [`RowImage`] using the relation's column names.
-/// Unchanged TOAST values are left out: they are never key or join columns
-/// in practice, and a missing column is reported by the resolver.
+/// Unchanged TOAST values are left out (only an update's after image has
+/// them: see [`after_image`]).
 pub fn image(rel: &Relation, values: &[Value]) -> RowImage {
-    rel.columns
+    after_image(rel, None, values).0
+}
+
+/// The after image of an update, and the columns it leaves out.
+///
+/// An update that leaves a value stored out of line (TOAST) alone sends it
+/// as "unchanged", not its value. The before image has it when one is sent
+/// with a value there: REPLICA IDENTITY FULL (PostgreSQL flattens the old
+/// tuple), or the old key, which PostgreSQL logs when a key column is
+/// stored out of line. What neither has is returned by name, for the
+/// caller to read from the source by key.
+pub fn after_image(
+    rel: &Relation,
+    old: Option<&[Value]>,
+    new: &[Value],
+) -> (RowImage, Vec<String>) {
+    let mut unknown = vec![];
+    let image = rel
+        .columns
         .iter()
-        .zip(values)
-        .filter_map(|(c, v)| match v {
+        .zip(new)
+        .enumerate()
+        .filter_map(|(i, (c, v))| match v {
             Value::Null => Some((c.name.clone(), None)),
             Value::Text(s) => Some((c.name.clone(), Some(s.clone()))),
-            Value::Unchanged => None,
+            Value::Unchanged => match old.and_then(|o| o.get(i)) {
+                Some(Value::Text(s)) => Some((c.name.clone(), Some(s.clone()))),
+                // A key-only before image sends NULL for every other column:
+                // NULL there says nothing about this one.
+                _ => {
+                    unknown.push(c.name.clone());
+                    None
+                }
+            },
         })
-        .collect()
+        .collect();
+    (image, unknown)
 }
 
 #[cfg(test)]
@@ -304,6 +332,39 @@ pub(crate) mod tests {
                 old: vec![Value::Text("ü".into()), Value::Null]
             }
         );
+    }
+
+    #[test]
+    fn unchanged_toast_values_come_from_the_before_image_when_it_has_them() {
+        let rel = Relation {
+            oid: 1,
+            schema: "public".into(),
+            table: "note".into(),
+            columns: ["id", "folder", "body"]
+                .into_iter()
+                .map(|n| RelColumn {
+                    name: n.into(),
+                    is_key: n == "id",
+                })
+                .collect(),
+        };
+        let t = |s: &str| Value::Text(s.into());
+        let new = [Value::Unchanged, Value::Unchanged, t("b2")];
+        // REPLICA IDENTITY FULL: every value is in the before image.
+        let (img, unknown) = after_image(&rel, Some(&[t("1"), t("f"), t("b1")]), &new);
+        assert_eq!(img["id"].as_deref(), Some("1"));
+        assert_eq!(img["folder"].as_deref(), Some("f"));
+        assert_eq!(img["body"].as_deref(), Some("b2"));
+        assert!(unknown.is_empty());
+        // The old key only: NULL for the rest says nothing.
+        let (img, unknown) = after_image(&rel, Some(&[t("1"), Value::Null, Value::Null]), &new);
+        assert_eq!(img["id"].as_deref(), Some("1"));
+        assert!(!img.contains_key("folder"));
+        assert_eq!(unknown, ["folder"]);
+        // No before image at all.
+        let (img, unknown) = after_image(&rel, None, &new);
+        assert_eq!(img.len(), 1);
+        assert_eq!(unknown, ["id", "folder"]);
     }
 
     #[test]

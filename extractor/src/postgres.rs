@@ -2,7 +2,7 @@
 //! change stream, an ordinary connection for the catalog, the slot and
 //! root-key lookups.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -94,6 +94,9 @@ pub struct Tx {
     pub commit_time_micros: i64,
     /// Row changes in order.
     pub changes: Vec<RawChange>,
+    /// Updates whose after image lacks unchanged TOASTed values the before
+    /// image did not have: `(index into changes, column names)`.
+    pub unchanged: Vec<(usize, Vec<String>)>,
 }
 
 /// Whole transactions in `(lower, upper]`.
@@ -441,6 +444,7 @@ impl PgSource {
                         end_lsn: PgLsn::ZERO,
                         commit_time_micros: commit_time_micros + PG_EPOCH_OFFSET_MICROS,
                         changes: vec![],
+                        unchanged: vec![],
                     });
                 }
                 ReplicationEvent::Commit {
@@ -492,6 +496,127 @@ impl PgSource {
             upper: upper.max(lower),
             txs,
         })
+    }
+
+    /// Fills in, from the source by primary key, the key and join columns
+    /// that updates sent as unchanged TOAST values with no before image to
+    /// take them from (a table without REPLICA IDENTITY FULL, against what
+    /// `skein sql source` prints).
+    ///
+    /// The value is read as the row is now. The update left it alone, and
+    /// a later change that alters it is in the stream with its own images.
+    /// A row deleted since resolves to no aggregate here (logged): its
+    /// delete, later in the stream, is what touches its parent.
+    pub async fn read_unchanged(&self, batch: &mut SourceBatch) -> Result<()> {
+        // Per table: the columns to read, and the changes that need them.
+        type Want = (Vec<String>, Vec<(usize, usize)>);
+        let mut want: BTreeMap<(String, String), Want> = BTreeMap::new();
+        for (ti, tx) in batch.txs.iter().enumerate() {
+            for (ci, unknown) in &tx.unchanged {
+                let ch = &tx.changes[*ci];
+                let Some(targets) = self.by_table.get(&ch.table) else {
+                    continue;
+                };
+                let needed: Vec<String> = targets
+                    .iter()
+                    .flat_map(|(pi, node)| {
+                        let p = &self.plans[*pi];
+                        if *node == 0 {
+                            p.root_key.clone()
+                        } else {
+                            p.nodes[*node].on.iter().map(|o| o.name.clone()).collect()
+                        }
+                    })
+                    .filter(|c| unknown.contains(c))
+                    .collect();
+                if needed.is_empty() {
+                    continue;
+                }
+                let w = want.entry(ch.table.clone()).or_default();
+                for c in needed {
+                    if !w.0.contains(&c) {
+                        w.0.push(c);
+                    }
+                }
+                w.1.push((ti, *ci));
+            }
+        }
+        for ((schema, table), (cols, at)) in want {
+            let info = self
+                .catalog
+                .table(&schema, &table)
+                .ok_or_else(|| Error::Decode(format!("{schema}.{table} is not in the catalog")))?;
+            let key = &info.primary_key;
+            let key_unknown: Vec<&String> = at
+                .iter()
+                .flat_map(|(ti, ci)| {
+                    let img = batch.txs[*ti].changes[*ci].new.as_ref();
+                    key.iter()
+                        .filter(move |k| img.is_none_or(|i| !i.contains_key(*k)))
+                })
+                .collect();
+            if key.is_empty() || !key_unknown.is_empty() {
+                return Err(Error::NotReady {
+                    message: format!(
+                        "an update of {schema}.{table} sent its key {key:?} as unchanged TOAST \
+                         values without the old key: skein cannot tell which row changed"
+                    ),
+                    fix: format!(
+                        "ALTER TABLE \"{schema}\".\"{table}\" REPLICA IDENTITY FULL; \
+                         (for changes already in the WAL: `skein marker` past them, then \
+                         `skein explicit` for the affected entities)"
+                    ),
+                });
+            }
+            let arrays: Vec<Vec<Option<String>>> = key
+                .iter()
+                .map(|k| {
+                    at.iter()
+                        .map(|(ti, ci)| {
+                            batch.txs[*ti].changes[*ci]
+                                .new
+                                .as_ref()
+                                .and_then(|i| i.get(k).cloned().flatten())
+                        })
+                        .collect()
+                })
+                .collect();
+            let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
+                .iter()
+                .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
+                .collect();
+            let sql = skein_sql::postgres::row_columns_sql(info, &cols);
+            let rows = self.client.query(&sql, &params).await.map_err(src(format!(
+                "reading unchanged TOAST values of {schema}.{table}"
+            )))?;
+            let mut found = vec![false; at.len()];
+            for r in rows {
+                let ord: i64 = r.get(0);
+                let vals: Vec<Option<String>> = serde_json::from_str(r.get::<_, &str>(1))
+                    .map_err(|e| Error::Decode(format!("unchanged TOAST values: {e}")))?;
+                let i = usize::try_from(ord - 1)
+                    .ok()
+                    .filter(|i| *i < at.len() && vals.len() == cols.len())
+                    .ok_or_else(|| Error::Decode(format!("bad TOAST lookup row {ord}")))?;
+                found[i] = true;
+                let (ti, ci) = at[i];
+                if let Some(img) = batch.txs[ti].changes[ci].new.as_mut() {
+                    img.extend(cols.iter().cloned().zip(vals));
+                }
+            }
+            for (ti, ci) in at.iter().zip(&found).filter(|(_, f)| !**f).map(|(a, _)| a) {
+                warn!(
+                    table = %format!("{schema}.{table}"),
+                    columns = ?cols,
+                    "an update sent unchanged TOAST values and its row is gone: it resolves \
+                     to no aggregate (its delete, later in the stream, does)"
+                );
+                if let Some(img) = batch.txs[*ti].changes[*ci].new.as_mut() {
+                    img.extend(cols.iter().map(|c| (c.clone(), None)));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Resolves every change of a batch to change records, in source order,
@@ -580,12 +705,13 @@ impl ChangeSource for PgSource {
         limits: BatchLimits,
     ) -> Result<ReadBatch> {
         let lower = lower.pg().map_err(|e| Error::Decode(e.to_string()))?;
-        let batch = self
+        let mut batch = self
             .read_transactions(lower, limits.max_changes, limits.linger, limits.max_wait)
             .await?;
         if batch.upper <= lower {
             return Ok(ReadBatch::default());
         }
+        self.read_unchanged(&mut batch).await?;
         let records = self.resolve(&batch).await?;
         Ok(ReadBatch {
             upper: Some(batch.upper.into()),
@@ -607,7 +733,7 @@ fn handle(
     relations: &mut HashMap<u32, Relation>,
     publication: &str,
     msg: Message,
-    tx: Option<&mut Tx>,
+    mut tx: Option<&mut Tx>,
 ) -> Result<()> {
     {
         let rel = |relations: &HashMap<u32, Relation>, oid: u32| {
@@ -631,11 +757,15 @@ fn handle(
             }
             Message::Update { oid, old, new } => {
                 let r = rel(relations, oid)?;
+                let (after, unknown) = pgoutput::after_image(&r, old.as_deref(), &new);
+                if let (Some(tx), false) = (tx.as_deref_mut(), unknown.is_empty()) {
+                    tx.unchanged.push((tx.changes.len(), unknown));
+                }
                 RawChange {
                     table: (r.schema.clone(), r.table.clone()),
                     op: Op::Update,
                     old: old.map(|o| pgoutput::image(&r, &o)),
-                    new: Some(pgoutput::image(&r, &new)),
+                    new: Some(after),
                 }
             }
             Message::Delete { oid, old } => {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use skein_common::config::{expand_env, Source};
 use skein_common::Config;
-use skein_sql::postgres::{hydrate_sql, resolve_sql, sidecar_ddl, source_ddl};
+use skein_sql::postgres::{hydrate_sql, resolve_sql, row_columns_sql, sidecar_ddl, source_ddl};
 use skein_sql::sqlserver;
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
 
@@ -126,6 +126,13 @@ fn postgres_hydration_and_lookup_queries_are_frozen() {
     out.push_str(&format!(
         "-- resolve roots of lines (grandchild)\n{};\n",
         resolve_sql(&nodes, 2, &cat)
+    ));
+    out.push_str(&format!(
+        "\n-- unchanged TOAST values of contact, by key\n{};\n",
+        row_columns_sql(
+            cat.table("public", "contact").unwrap(),
+            &["customer_id".into()]
+        )
     ));
     check("postgres_queries_quickstart.sql", &out);
 }

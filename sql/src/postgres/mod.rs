@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 
 use skein_common::config::{Config, EntityConfig, PostgresSource, TableNode};
 
-use crate::catalog::{Catalog, ColumnInfo};
+use crate::catalog::{Catalog, ColumnInfo, TableInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
@@ -649,6 +649,33 @@ pub fn resolve_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
     sql.push_str(&parent_chain_joins(nodes, &up, qi));
     let _ = write!(sql, "ORDER BY k.ord");
     sql
+}
+
+/// Reads columns `cols` of rows of `table` by primary key, for updates that
+/// sent them as unchanged TOAST values without a before image: `$1…$n` are
+/// text arrays of the key columns (in key order); each row answers with
+/// its 1-based ordinal into them and the values as a JSON array of text.
+pub fn row_columns_sql(table: &TableInfo, cols: &[String]) -> String {
+    let conds: Vec<String> = table
+        .primary_key
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let ty = table
+                .column(k)
+                .map(|c| c.data_type.as_str())
+                .unwrap_or("text");
+            format!("t.{} = k.v{i}::{ty}", qi(k))
+        })
+        .collect();
+    format!(
+        "SELECT k.ord, {} AS vals\nFROM {}\nJOIN {}.{} t ON {}\nORDER BY k.ord",
+        text_array("t", cols),
+        unnest_keys(table.primary_key.len()),
+        qi(&table.schema),
+        qi(&table.table),
+        conds.join(" AND ")
+    )
 }
 
 /// The joins from a node's parent up to the root for root lookups: `u0` is

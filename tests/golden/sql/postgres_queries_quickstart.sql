@@ -32,3 +32,9 @@ FROM unnest($1::text[]) WITH ORDINALITY AS k(v0, ord)
 JOIN "public"."address" u0 ON u0."id" = k.v0::integer
 JOIN "public"."customer" u1 ON u0."customer_id" = u1."id"
 ORDER BY k.ord;
+
+-- unchanged TOAST values of contact, by key
+SELECT k.ord, json_build_array(t."customer_id"::text)::text AS vals
+FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(v0, v1, ord)
+JOIN "public"."contact" t ON t."customer_id" = k.v0::integer AND t."kind" = k.v1::text
+ORDER BY k.ord;
