@@ -97,6 +97,8 @@ pub struct Tx {
     /// Updates whose after image lacks unchanged TOASTed values the before
     /// image did not have: `(index into changes, column names)`.
     pub unchanged: Vec<(usize, Vec<String>)>,
+    /// Tables the transaction truncated (`schema.table`).
+    pub truncated: Vec<String>,
 }
 
 /// Whole transactions in `(lower, upper]`.
@@ -445,6 +447,7 @@ impl PgSource {
                         commit_time_micros: commit_time_micros + PG_EPOCH_OFFSET_MICROS,
                         changes: vec![],
                         unchanged: vec![],
+                        truncated: vec![],
                     });
                 }
                 ReplicationEvent::Commit {
@@ -459,6 +462,9 @@ impl PgSource {
                     tx.commit_time_micros = commit_time_micros + PG_EPOCH_OFFSET_MICROS;
                     count += tx.changes.len();
                     if tx.end_lsn > lower {
+                        if !tx.truncated.is_empty() {
+                            return Err(truncate_stop(&tx));
+                        }
                         txs.push(tx);
                     }
                     if count >= max_changes {
@@ -467,12 +473,7 @@ impl PgSource {
                 }
                 ReplicationEvent::XLogData { data, .. } => {
                     let msg = pgoutput::decode(&data)?;
-                    handle(
-                        &mut self.relations,
-                        &self.publication,
-                        msg,
-                        current.as_mut(),
-                    )?;
+                    handle(&mut self.relations, msg, current.as_mut())?;
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } if current.is_none() => {
                     self.idle_upper = self.idle_upper.max(PgLsn(wal_end.0));
@@ -728,10 +729,33 @@ impl ChangeSource for PgSource {
     }
 }
 
+/// The error a transaction with a TRUNCATE stops the pipeline with: it
+/// names no rows, so no aggregate can be resolved from it.
+fn truncate_stop(tx: &Tx) -> Error {
+    Error::NotReady {
+        message: format!(
+            "TRUNCATE of {} in transaction {} at position {}: a TRUNCATE names no rows, so skein \
+             cannot tell which aggregates it removed",
+            tx.truncated.join(", "),
+            tx.xid,
+            tx.end_lsn
+        ),
+        fix: format!(
+            "skip the transaction (all of it: {} row changes besides the TRUNCATE) and record the loss, \
+             with the pipeline stopped and the same --config:\n\
+             skein marker reset --to {} --continue-with-data-loss\n\
+             The aggregates of the truncated tables keep their last event until they change again. \
+             To keep TRUNCATE out of the stream, publish only 'insert, update, delete' \
+             (what `skein sql source` prints).",
+            tx.changes.len(),
+            tx.end_lsn
+        ),
+    }
+}
+
 /// Applies one decoded message to the relation cache or the open transaction.
 fn handle(
     relations: &mut HashMap<u32, Relation>,
-    publication: &str,
     msg: Message,
     mut tx: Option<&mut Tx>,
 ) -> Result<()> {
@@ -778,22 +802,16 @@ fn handle(
                 }
             }
             Message::Truncate { oids } => {
-                let names: Vec<String> = oids
-                    .iter()
-                    .filter_map(|o| relations.get(o))
-                    .map(|r| format!("{}.{}", r.schema, r.table))
-                    .collect();
-                return Err(Error::NotReady {
-                    message: format!(
-                        "TRUNCATE of {} reached the change stream; skein cannot tell which aggregates it removed",
-                        names.join(", ")
-                    ),
-                    fix: format!(
-                        "ALTER PUBLICATION \"{}\" SET (publish = 'insert, update, delete');\n\
-                         then re-publish the affected entities with `skein explicit`",
-                        publication
-                    ),
-                });
+                let tx = tx.ok_or_else(|| {
+                    Error::Decode("pgoutput: TRUNCATE outside a transaction".into())
+                })?;
+                // Stops at the commit, where the transaction's position is known.
+                tx.truncated
+                    .extend(oids.iter().map(|o| match relations.get(o) {
+                        Some(r) => format!("{}.{}", r.schema, r.table),
+                        None => format!("relation {o}"),
+                    }));
+                return Ok(());
             }
             Message::Other(_) => return Ok(()),
         };
