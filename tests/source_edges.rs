@@ -194,3 +194,58 @@ async fn truncate_stops_naming_its_position_and_the_command_that_skips_it() {
         "{subjects:?}"
     );
 }
+
+/// While lag approaches what the source keeps for the slot
+/// (`max_slot_wal_keep_size`), `skein status` and the log say so: the
+/// moment an operator can still act.
+#[tokio::test(flavor = "multi_thread")]
+async fn lag_near_the_slot_s_retention_warns() {
+    let admin = connect(&admin_url()).await;
+    let keep: String = admin
+        .query_one("SHOW max_slot_wal_keep_size", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if keep == "-1" {
+        // Far above what any test writes: no slot is ever invalidated.
+        for sql in [
+            "ALTER SYSTEM SET max_slot_wal_keep_size = '8GB'",
+            "SELECT pg_reload_conf()",
+        ] {
+            admin.batch_execute(sql).await.unwrap();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    let env = Env::with_files("retention_warn", &FILES, TransportChoice::InProcess, |y| {
+        y.replace(
+            "state_dir:",
+            "extractor: { retention_warn_fraction: 0.0001 }\nstate_dir:",
+        )
+    })
+    .await;
+    let run = start_with_folder(&env, "").await;
+    run.stop(&env);
+    // Megabytes of WAL the stopped pipeline has not read.
+    env.exec("SELECT pg_logical_emit_message(false, 'skein.test', repeat('x', 1048576)) FROM generate_series(1, 4)")
+        .await;
+    let status: serde_json::Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    let source = &status["source"];
+    let lag = source["lag_bytes"].as_i64().unwrap();
+    assert!(lag > 1 << 20, "{source}");
+    assert!(
+        source["retained_bytes"].as_i64().unwrap() >= lag,
+        "{source}"
+    );
+    assert!(source["safe_wal_size"].as_i64().unwrap() > 0, "{source}");
+    let used = source["retention_used"].as_f64().unwrap();
+    assert!(used > 0.0001 && used < 0.5, "{source}");
+    assert_eq!(source["retention_warning"], true, "{source}");
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert!(
+        env.log().contains("of what the source keeps for the slot"),
+        "{}",
+        env.log()
+    );
+}

@@ -154,15 +154,27 @@ pub async fn status(cfg: &Config) -> Result<serde_json::Value> {
                 .map_err(src("reading the replication slot"))?;
             Ok(match row {
                 None => serde_json::json!({ "slot": pg.slot, "exists": false }),
-                Some(r) => serde_json::json!({
-                    "slot": pg.slot,
-                    "exists": true,
-                    "confirmed": r.get::<_, Option<String>>(0),
-                    "wal_end": r.get::<_, String>(1),
-                    "lag_bytes": r.get::<_, Option<i64>>(2),
-                    "active": r.get::<_, bool>(3),
-                    "wal_status": r.get::<_, String>(4),
-                }),
+                Some(r) => {
+                    let retention = postgres::Retention {
+                        retained_bytes: r.get::<_, Option<i64>>(5).unwrap_or(0),
+                        safe_wal_size: r.get(6),
+                    };
+                    let used = retention.used();
+                    serde_json::json!({
+                        "slot": pg.slot,
+                        "exists": true,
+                        "confirmed": r.get::<_, Option<String>>(0),
+                        "wal_end": r.get::<_, String>(1),
+                        "lag_bytes": r.get::<_, Option<i64>>(2),
+                        "active": r.get::<_, bool>(3),
+                        "wal_status": r.get::<_, String>(4),
+                        "retained_bytes": retention.retained_bytes,
+                        "safe_wal_size": retention.safe_wal_size,
+                        "retention_used": used,
+                        "retention_warning":
+                            used.is_some_and(|u| u >= cfg.extractor.retention_warn_fraction),
+                    })
+                }
             })
         }
         Source::SqlServer(ms) => {

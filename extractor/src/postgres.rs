@@ -119,6 +119,43 @@ impl SourceBatch {
     }
 }
 
+/// How much of what the server keeps for a slot its lag uses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Retention {
+    /// WAL the slot holds back: from its restart position to the WAL end.
+    pub retained_bytes: i64,
+    /// How much more WAL the server lets the slot hold before invalidating
+    /// it (`None`: `max_slot_wal_keep_size` is -1, no limit but the disk).
+    pub safe_wal_size: Option<i64>,
+}
+
+impl Retention {
+    /// The share of the server's limit in use (0..=1), `None` without a limit.
+    pub fn used(&self) -> Option<f64> {
+        let safe = self.safe_wal_size?;
+        let held = self.retained_bytes.max(0) as f64;
+        if safe <= 0 {
+            return Some(1.0);
+        }
+        Some(held / (held + safe as f64))
+    }
+
+    /// Reads slot `slot`'s retention (`None`: no such slot).
+    pub async fn read(client: &tokio_postgres::Client, slot: &str) -> Result<Option<Retention>> {
+        let row = client
+            .query_opt(skein_sql::postgres::admin::SLOT_RETENTION, &[&slot])
+            .await
+            .map_err(src("reading the replication slot's retention"))?;
+        Ok(row.map(|r| Retention {
+            retained_bytes: r.get::<_, Option<i64>>(0).unwrap_or(0),
+            safe_wal_size: r.get(1),
+        }))
+    }
+}
+
+/// How often the extractor compares its lag with the slot's retention.
+const RETENTION_CHECK_EVERY: Duration = Duration::from_secs(30);
+
 /// The PostgreSQL change source.
 pub struct PgSource {
     client: tokio_postgres::Client,
@@ -134,6 +171,10 @@ pub struct PgSource {
     open_tx: Option<Tx>,
     /// Highest position known to hold nothing more for us (keepalive while idle).
     idle_upper: PgLsn,
+    /// `extractor.retention_warn_fraction`.
+    retention_warn: f64,
+    /// When the retention was last checked.
+    retention_checked: Option<Instant>,
 }
 
 impl PgSource {
@@ -154,7 +195,37 @@ impl PgSource {
             relations: HashMap::new(),
             open_tx: None,
             idle_upper: PgLsn::ZERO,
+            retention_warn: cfg.extractor.retention_warn_fraction,
+            retention_checked: None,
         })
+    }
+
+    /// Warns when the slot's lag uses more than `retention_warn_fraction`
+    /// of what the server keeps for it: the moment an operator can still
+    /// act (raise `max_slot_wal_keep_size`, or fix what holds skein back)
+    /// before PostgreSQL invalidates the slot. At start, then every 30 s.
+    async fn check_retention(&mut self) -> Result<()> {
+        if self
+            .retention_checked
+            .is_some_and(|t| t.elapsed() < RETENTION_CHECK_EVERY)
+        {
+            return Ok(());
+        }
+        self.retention_checked = Some(Instant::now());
+        let Some(r) = Retention::read(&self.client, &self.slot).await? else {
+            return Ok(());
+        };
+        if let Some(used) = r.used().filter(|u| *u >= self.retention_warn) {
+            warn!(
+                slot = %self.slot,
+                retained_bytes = r.retained_bytes,
+                safe_wal_size = r.safe_wal_size,
+                "lag uses {:.1}% of what the source keeps for the slot (max_slot_wal_keep_size); \
+                 past 100% PostgreSQL invalidates the slot and changes are lost",
+                used * 100.0
+            );
+        }
+        Ok(())
     }
 
     /// The query connection (for callers that need the same source).
@@ -706,6 +777,7 @@ impl ChangeSource for PgSource {
         limits: BatchLimits,
     ) -> Result<ReadBatch> {
         let lower = lower.pg().map_err(|e| Error::Decode(e.to_string()))?;
+        self.check_retention().await?;
         let mut batch = self
             .read_transactions(lower, limits.max_changes, limits.linger, limits.max_wait)
             .await?;

@@ -33,6 +33,8 @@ pub const DEFAULT_MAX_BATCH_CHANGES: usize = 10_000;
 pub const DEFAULT_BATCH_LINGER_MS: u64 = 50;
 /// Default longest time a batch stays open.
 pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
+/// Default `extractor.retention_warn_fraction`.
+pub const DEFAULT_RETENTION_WARN_FRACTION: f64 = 0.8;
 /// Default number of outbox rows the relay sends per transaction.
 pub const DEFAULT_RELAY_BATCH: i64 = 500;
 /// Default state directory (sled marker).
@@ -361,6 +363,11 @@ pub struct ExtractorConfig {
     /// Longest time a batch stays open.
     #[serde(default = "default_max_wait")]
     pub max_batch_wait_ms: u64,
+    /// The share of what the source keeps for skein (PostgreSQL: the
+    /// slot's WAL up to `max_slot_wal_keep_size`) above which lag is
+    /// warned about, in the log and `skein status`.
+    #[serde(default = "default_retention_warn")]
+    pub retention_warn_fraction: f64,
 }
 
 fn default_max_batch_changes() -> usize {
@@ -372,6 +379,9 @@ fn default_linger() -> u64 {
 fn default_max_wait() -> u64 {
     DEFAULT_MAX_BATCH_WAIT_MS
 }
+fn default_retention_warn() -> f64 {
+    DEFAULT_RETENTION_WARN_FRACTION
+}
 
 impl Default for ExtractorConfig {
     fn default() -> Self {
@@ -380,6 +390,7 @@ impl Default for ExtractorConfig {
             continue_with_data_loss: false,
             batch_linger_ms: DEFAULT_BATCH_LINGER_MS,
             max_batch_wait_ms: DEFAULT_MAX_BATCH_WAIT_MS,
+            retention_warn_fraction: DEFAULT_RETENTION_WARN_FRACTION,
         }
     }
 }
@@ -591,6 +602,29 @@ entities:
         let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
         assert!(e.contains("sidecar"), "{e}");
         assert!(e.contains("line 3"), "{e}");
+    }
+
+    #[test]
+    fn retention_warn_fraction_is_a_share() {
+        let with = |f: &str| {
+            SAMPLE.replace(
+                "sidecar: { schema: skein }",
+                &format!(
+                    "sidecar: {{ schema: skein }}\nextractor: {{ retention_warn_fraction: {f} }}"
+                ),
+            )
+        };
+        let ok = Config::from_yaml(&with("0.5"), "t.yaml").unwrap();
+        assert_eq!(ok.extractor.retention_warn_fraction, 0.5);
+        for bad in ["0", "1.5", "-0.1", ".nan"] {
+            let e = Config::from_yaml(&with(bad), "t.yaml")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("extractor.retention_warn_fraction"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -106,6 +106,13 @@ impl RawConfig {
                 "must be at least 1".into(),
             ));
         }
+        let f = self.extractor.retention_warn_fraction;
+        if !(f > 0.0 && f <= 1.0) {
+            return Err(err(
+                &[Key("extractor"), Key("retention_warn_fraction")],
+                format!("must be above 0 and at most 1 (got {f})"),
+            ));
+        }
         if self.entities.is_empty() {
             return Err(err(
                 &[Key("entities")],

@@ -17,9 +17,19 @@ pub const PUBLISHED_COLUMNS: &str =
 pub const SLOT_WAL_STATUS: &str =
     "SELECT coalesce(wal_status, '') FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
 
-/// Slot `$1`: confirmed position, WAL end, lag in bytes, active, wal_status.
+/// Slot `$1`: confirmed position, WAL end, lag in bytes, active, wal_status,
+/// then [`SLOT_RETENTION`]'s two columns.
 pub const SLOT_STATUS: &str = "SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text, \
-     (pg_current_wal_lsn() - confirmed_flush_lsn)::int8, active, coalesce(wal_status, '') \
+     (pg_current_wal_lsn() - confirmed_flush_lsn)::int8, active, coalesce(wal_status, ''), \
+     (pg_current_wal_lsn() - restart_lsn)::int8, safe_wal_size \
+     FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
+
+/// Slot `$1`: the WAL it holds back (bytes from its restart position to the
+/// WAL end), and how much more the server lets it hold before invalidating
+/// it (`safe_wal_size`; NULL when `max_slot_wal_keep_size` is -1: no limit
+/// but the disk).
+pub const SLOT_RETENTION: &str =
+    "SELECT (pg_current_wal_lsn() - restart_lsn)::int8, safe_wal_size \
      FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
 
 /// The server's current WAL end.
