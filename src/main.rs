@@ -162,10 +162,24 @@ fn main() -> ExitCode {
     match try_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, each once: most of skein's errors already
+/// show their cause, which `{:#}` would print again.
+fn report(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
 }
 
 fn try_main(cli: Cli) -> anyhow::Result<()> {

@@ -15,6 +15,13 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A PostgreSQL connection could not be opened.
+    #[error("connecting to the {what}: {source}")]
+    Connect {
+        what: &'static str,
+        #[source]
+        source: skein_sql::postgres::client::ConnectError,
+    },
     /// Another applier moved this partition's progress: this one is a zombie
     /// and wrote nothing.
     #[error(
@@ -59,6 +66,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Db { source, .. } => source.is_closed() || source.as_db_error().is_none(),
+            Error::Connect { source, .. } => source.is_retryable(),
             Error::SqlServer(e) => e.is_retryable(),
             Error::Transport(e) => e.is_retryable(),
             _ => false,

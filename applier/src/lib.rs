@@ -34,19 +34,17 @@ pub use error::{Error, Result};
 pub use hydrate::Source;
 pub use run::run;
 
-/// Opens a PostgreSQL connection (`what`: "source", "sidecar"); its
-/// connection task is spawned and ends when the client is dropped.
+/// Opens a PostgreSQL connection (`what`: "source", "sidecar") with TLS as
+/// the URL's `sslmode` / `sslrootcert` say; its connection task is spawned
+/// and ends when the client is dropped.
 pub(crate) async fn connect_postgres(
     url: &str,
     what: &'static str,
 ) -> Result<tokio_postgres::Client> {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+    let connect_err = |source| Error::Connect { what, source };
+    skein_sql::postgres::client::PgUrl::parse(url)
+        .map_err(connect_err)?
+        .connect(what)
         .await
-        .map_err(error::db(format!("connecting to the {what}")))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "{what} connection closed");
-        }
-    });
-    Ok(client)
+        .map_err(connect_err)
 }

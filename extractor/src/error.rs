@@ -33,6 +33,13 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A connection to the source could not be opened.
+    #[error("connecting to the {what}: {source}")]
+    Connect {
+        what: &'static str,
+        #[source]
+        source: skein_sql::postgres::client::ConnectError,
+    },
     /// The replication stream failed.
     #[error("replication stream failed: {source}")]
     Replication {
@@ -56,6 +63,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Source { source, .. } => source.is_closed() || source.as_db_error().is_none(),
+            Error::Connect { source, .. } => source.is_retryable(),
             Error::Replication { source } => source.is_transient() || source.is_io(),
             Error::Transport(e) => e.is_retryable(),
             Error::SqlServer(e) => e.is_retryable(),

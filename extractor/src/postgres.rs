@@ -6,13 +6,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
 use skein_common::config::{Config, PostgresSource, Secret};
 use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
+use skein_sql::postgres::client::PgUrl;
 use skein_sql::postgres::{resolve_sql, CATALOG_QUERY};
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
-use tokio_postgres::NoTls;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::error::{src, Error, Result};
 use crate::pgoutput::{self, Message, Relation};
@@ -25,16 +25,14 @@ const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
 /// Opens an ordinary connection; the connection task is spawned and ends
 /// when the client is dropped.
-pub async fn connect(url: &Secret, what: &str) -> Result<tokio_postgres::Client> {
-    let (client, conn) = tokio_postgres::connect(url.expose(), NoTls)
+/// TLS as the URL's `sslmode` / `sslrootcert` say ([`PgUrl`]).
+pub async fn connect(url: &Secret, what: &'static str) -> Result<tokio_postgres::Client> {
+    let connect_err = |source| Error::Connect { what, source };
+    PgUrl::parse(url.expose())
+        .map_err(connect_err)?
+        .connect(what)
         .await
-        .map_err(src(format!("connecting to the {what}")))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            debug!(error = %e, "connection closed");
-        }
-    });
-    Ok(client)
+        .map_err(connect_err)
 }
 
 /// Reads the catalog of every table of every entity.
@@ -422,8 +420,11 @@ impl PgSource {
     /// commit ends at or before `start` is not sent again).
     pub async fn start_stream(&mut self, start: PgLsn) -> Result<()> {
         self.wait_for_the_slot().await?;
-        let pg = tokio_postgres::Config::from_str(self.url.expose())
-            .map_err(src("parsing the source URL"))?;
+        let url = PgUrl::parse(self.url.expose()).map_err(|source| Error::Connect {
+            what: "source (replication)",
+            source,
+        })?;
+        let pg = &url.config;
         let host = match pg.get_hosts().first() {
             Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
             #[cfg(unix)]
@@ -444,7 +445,14 @@ impl PgSource {
             self.publication.clone(),
         )
         .with_port(port)
-        .with_tls(TlsConfig::disabled())
+        .with_tls(
+            url.replication_tls()
+                .await
+                .map_err(|source| Error::Connect {
+                    what: "source (replication)",
+                    source,
+                })?,
+        )
         .with_start_lsn(Lsn(start.as_u64()))
         .with_ack_lsn(Lsn(start.as_u64()))
         .with_status_interval(Duration::from_secs(1))

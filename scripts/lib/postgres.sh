@@ -58,6 +58,50 @@ CONF
   echo "$url"
 }
 
+# skein_pg_start_tls PORT: a server with ssl=on whose certificate (signed by
+# a CA generated here) names only `localhost`, and a second CA that signed
+# nothing. Role `skein_tls` (password `skein_tls`, superuser) may connect
+# over TCP only with TLS; `postgres` connects without, as the tests' admin.
+# Prints the admin URL; the PEM files are in /tmp/skein-pg-PORT/tls
+# (ca.pem, wrong-ca.pem).
+skein_pg_start_tls() {
+  local port=$1 base=/tmp/skein-pg-$1 url
+  command -v openssl >/dev/null || { apt-get update -q >&2 && apt-get install -y -q openssl >&2; }
+  url=$(skein_pg_start "$port" logical)
+  local tls=$base/tls data=$base/data
+  mkdir -p "$tls"
+  (
+    cd "$tls"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=skein test CA" \
+      -keyout ca.key -out ca.pem 2>/dev/null
+    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=skein wrong CA" \
+      -keyout wrong-ca.key -out wrong-ca.pem 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
+      -keyout server.key -out server.csr 2>/dev/null
+    printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' >ext.cnf
+    openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
+      -extfile ext.cnf -out server.pem 2>/dev/null
+  )
+  install -o postgres -m 600 "$tls/server.key" "$data/server.key"
+  install -o postgres -m 644 "$tls/server.pem" "$data/server.crt"
+  cat >>"$data/postgresql.conf" <<CONF
+ssl = on
+ssl_cert_file = 'server.crt'
+ssl_key_file = 'server.key'
+password_encryption = 'scram-sha-256'
+CONF
+  cat >"$data/pg_hba.conf" <<HBA
+local     all  all                     trust
+hostnossl all  skein_tls  0.0.0.0/0    reject
+hostssl   all  skein_tls  127.0.0.1/32 scram-sha-256
+host      all  postgres   127.0.0.1/32 trust
+HBA
+  runuser -u postgres -- "$PGBIN/pg_ctl" -D "$data" -l "$base/pg.log" -w -t 60 restart >/dev/null \
+    || { cat "$base/pg.log" >&2; return 1; }
+  "$PGBIN/psql" "$url" -qAtc "CREATE ROLE skein_tls LOGIN SUPERUSER REPLICATION PASSWORD 'skein_tls'" >&2
+  echo "$url"
+}
+
 PGBIN=$(skein_pg_bin)
 export PATH="$PGBIN:$PATH"
 id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres

@@ -3,6 +3,7 @@
 //! catalog reads of validate and status in [`admin`].
 
 pub mod admin;
+pub mod client;
 pub mod sidecar;
 
 use std::collections::BTreeSet;

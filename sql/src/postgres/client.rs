@@ -1,0 +1,455 @@
+//! Connecting to PostgreSQL, the one place that reads a connection URL:
+//! queries (`tokio-postgres`) and the replication stream
+//! (`pgwire-replication`) both honour `sslmode` and `sslrootcert` as libpq
+//! does, over rustls.
+//!
+//! | `sslmode`     | TLS                          | certificate checked         |
+//! |---------------|------------------------------|-----------------------------|
+//! | `disable`     | never                        | —                           |
+//! | `prefer`      | if the server offers it      | no                          |
+//! | `require`     | always                       | no                          |
+//! | `verify-ca`   | always                       | chain to `sslrootcert`      |
+//! | `verify-full` | always                       | chain and the host name     |
+//!
+//! The default is `prefer`, as libpq's. Without `sslrootcert`, `verify-ca`
+//! and `verify-full` check against the system's trusted roots.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use pgwire_replication::TlsConfig;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+/// libpq's `sslmode`, the values skein supports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SslMode {
+    /// Never TLS.
+    Disable,
+    /// TLS if the server offers it, unchecked.
+    #[default]
+    Prefer,
+    /// TLS, unchecked.
+    Require,
+    /// TLS, certificate chain checked.
+    VerifyCa,
+    /// TLS, certificate chain and host name checked.
+    VerifyFull,
+}
+
+impl FromStr for SslMode {
+    type Err = ConnectError;
+
+    fn from_str(s: &str) -> Result<Self, ConnectError> {
+        Ok(match s {
+            "disable" => SslMode::Disable,
+            "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            other => {
+                return Err(ConnectError::Settings(format!(
+                    "sslmode `{other}` is not supported: use disable, prefer, require, \
+                     verify-ca or verify-full"
+                )))
+            }
+        })
+    }
+}
+
+/// A connection URL with its TLS settings taken out.
+#[derive(Clone, Debug)]
+pub struct PgUrl {
+    /// Everything but the TLS settings.
+    pub config: tokio_postgres::Config,
+    /// `sslmode`.
+    pub ssl_mode: SslMode,
+    /// `sslrootcert`: the PEM file of the trusted CA certificates.
+    pub root_cert: Option<PathBuf>,
+}
+
+/// Why a connection could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The URL or its TLS settings are wrong (bad `sslmode`, unreadable
+    /// `sslrootcert`): a person has to fix the configuration.
+    #[error("{0}")]
+    Settings(String),
+    /// The server could not be reached (worth trying again).
+    #[error("{0}")]
+    Unreachable(String),
+    /// The server could not be reached, refused us, or TLS failed.
+    #[error("{}", with_cause(.0))]
+    Db(#[source] tokio_postgres::Error),
+}
+
+impl ConnectError {
+    /// Whether trying again later may succeed: the server was unreachable
+    /// or closed the connection. Bad settings, a refused login and a
+    /// certificate that does not verify stay wrong until someone acts.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ConnectError::Settings(_) => false,
+            ConnectError::Unreachable(_) => true,
+            ConnectError::Db(e) => e.as_db_error().is_none() && !is_tls_failure(e),
+        }
+    }
+}
+
+/// A handshake that failed on the certificate (unknown issuer, wrong name).
+fn is_tls_failure(e: &tokio_postgres::Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        // An io::Error hides the error it wraps from `source()`.
+        let inner = c
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|i| i as &(dyn std::error::Error + 'static));
+        if c.downcast_ref::<rustls::Error>().is_some()
+            || inner.is_some_and(|i| i.downcast_ref::<rustls::Error>().is_some())
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
+/// tokio-postgres prints "error performing TLS handshake" and keeps the
+/// reason (unknown issuer, name mismatch) in its source: show both.
+fn with_cause(e: &tokio_postgres::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    }
+}
+
+impl PgUrl {
+    /// Parses a URL (`postgres://…?sslmode=…&sslrootcert=…`) or a libpq
+    /// key/value string (`host=… sslmode=…`).
+    pub fn parse(url: &str) -> Result<PgUrl, ConnectError> {
+        let mut ssl_mode = None;
+        let mut root_cert = None;
+        let mut take = |k: &str, v: &str| -> Result<bool, ConnectError> {
+            match k {
+                "sslmode" => ssl_mode = Some(v.parse::<SslMode>()?),
+                "sslrootcert" => root_cert = Some(PathBuf::from(v)),
+                _ => return Ok(false),
+            }
+            Ok(true)
+        };
+        let rest = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let mut u = url::Url::parse(url).map_err(|e| {
+                ConnectError::Settings(format!("the connection URL is invalid: {e}"))
+            })?;
+            let mut kept = vec![];
+            for (k, v) in u.query_pairs() {
+                if !take(&k, &v)? {
+                    kept.push((k.into_owned(), v.into_owned()));
+                }
+            }
+            if kept.is_empty() {
+                u.set_query(None);
+            } else {
+                u.query_pairs_mut().clear().extend_pairs(kept);
+            }
+            u.to_string()
+        } else {
+            let mut kept = vec![];
+            for word in url.split_whitespace() {
+                let used = match word.split_once('=') {
+                    Some((k, v)) => take(k.trim(), v.trim())?,
+                    None => false,
+                };
+                if !used {
+                    kept.push(word);
+                }
+            }
+            kept.join(" ")
+        };
+        let mut config = tokio_postgres::Config::from_str(&rest)
+            .map_err(|e| ConnectError::Settings(format!("the connection URL is invalid: {e}")))?;
+        let ssl_mode = ssl_mode.unwrap_or_default();
+        config.ssl_mode(match ssl_mode {
+            SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+            SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+            _ => tokio_postgres::config::SslMode::Require,
+        });
+        Ok(PgUrl {
+            config,
+            ssl_mode,
+            root_cert,
+        })
+    }
+
+    /// The rustls client configuration of this `sslmode`.
+    pub fn rustls_config(&self) -> Result<ClientConfig, ConnectError> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let checked = matches!(self.ssl_mode, SslMode::VerifyCa | SslMode::VerifyFull);
+        let roots = if checked {
+            self.roots()?
+        } else {
+            RootCertStore::empty()
+        };
+        let roots = Arc::new(roots);
+        let mut cfg = ClientConfig::builder()
+            .with_root_certificates(roots.clone())
+            .with_no_client_auth();
+        let algorithms = rustls::crypto::ring::default_provider().signature_verification_algorithms;
+        let verifier: Option<Arc<dyn ServerCertVerifier>> = match self.ssl_mode {
+            SslMode::VerifyFull => None,
+            SslMode::VerifyCa => Some(Arc::new(Relaxed {
+                chain: Some(
+                    WebPkiServerVerifier::builder(roots)
+                        .build()
+                        .map_err(|e| ConnectError::Settings(format!("TLS verifier: {e}")))?,
+                ),
+                algorithms,
+            })),
+            _ => Some(Arc::new(Relaxed {
+                chain: None,
+                algorithms,
+            })),
+        };
+        if let Some(v) = verifier {
+            cfg.dangerous().set_certificate_verifier(v);
+        }
+        Ok(cfg)
+    }
+
+    fn roots(&self) -> Result<RootCertStore, ConnectError> {
+        let mut roots = RootCertStore::empty();
+        match &self.root_cert {
+            Some(path) => {
+                let certs = CertificateDer::pem_file_iter(path)
+                    .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| {
+                        ConnectError::Settings(format!("sslrootcert {}: {e}", path.display()))
+                    })?;
+                if certs.is_empty() {
+                    return Err(ConnectError::Settings(format!(
+                        "sslrootcert {}: no certificate in the file",
+                        path.display()
+                    )));
+                }
+                for c in certs {
+                    roots.add(c).map_err(|e| {
+                        ConnectError::Settings(format!("sslrootcert {}: {e}", path.display()))
+                    })?;
+                }
+            }
+            None => {
+                for c in rustls_native_certs::load_native_certs().certs {
+                    let _ = roots.add(c);
+                }
+            }
+        }
+        Ok(roots)
+    }
+
+    /// The replication connection's TLS settings, the same as the queries'.
+    ///
+    /// `verify-ca` checks the certificate chain and not the name. The
+    /// replication client's own `verify-ca` (pgwire-replication 0.5) also
+    /// rejects a certificate whose names do not include the host, on the
+    /// rustls in use. So for `verify-ca` the certificate is fetched first,
+    /// its chain checked here ([`PgUrl::server_cert_name`]), and the stream
+    /// then names the server by a DNS name of that certificate: the
+    /// client's check (chain and name) passes exactly when the chain does.
+    pub async fn replication_tls(&self) -> Result<TlsConfig, ConnectError> {
+        let host = match self.config.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => Some(h.clone()),
+            _ => None,
+        };
+        let mut tls = match self.ssl_mode {
+            SslMode::Disable => TlsConfig::disabled(),
+            SslMode::Prefer => TlsConfig {
+                mode: pgwire_replication::SslMode::Prefer,
+                ..TlsConfig::disabled()
+            },
+            SslMode::Require => TlsConfig::require(),
+            SslMode::VerifyCa => TlsConfig::verify_ca(self.root_cert.clone()),
+            SslMode::VerifyFull => TlsConfig::verify_full(self.root_cert.clone()),
+        };
+        let name = match self.ssl_mode {
+            SslMode::VerifyCa => self.server_cert_name().await?.or(host),
+            // An IP address is checked against the certificate's IP names,
+            // as the queries' connection does.
+            _ => host,
+        };
+        if let Some(n) = name {
+            tls = tls.with_sni_hostname(n);
+        }
+        Ok(tls)
+    }
+
+    /// The first DNS name of the server's certificate, fetched over a TLS
+    /// handshake that checks the chain as this `sslmode` says (`None`: the
+    /// certificate has no DNS name, or the server is not on TCP).
+    pub async fn server_cert_name(&self) -> Result<Option<String>, ConnectError> {
+        let Some(tokio_postgres::config::Host::Tcp(host)) = self.config.get_hosts().first() else {
+            return Ok(None);
+        };
+        let port = self.config.get_ports().first().copied().unwrap_or(5432);
+        let io = |e: std::io::Error| {
+            ConnectError::Unreachable(format!(
+                "fetching the server certificate from {host}:{port}: {e}"
+            ))
+        };
+        let mut tcp = tokio::net::TcpStream::connect((host.as_str(), port))
+            .await
+            .map_err(io)?;
+        // SSLRequest: length 8, code 80877103; the server answers S or N.
+        tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
+            .await
+            .map_err(io)?;
+        let mut answer = [0u8; 1];
+        tcp.read_exact(&mut answer).await.map_err(io)?;
+        if answer[0] != b'S' {
+            return Err(ConnectError::Settings(format!(
+                "sslmode={:?} but the server at {host}:{port} does not support TLS",
+                self.ssl_mode
+            )));
+        }
+        let name = ServerName::try_from(host.clone())
+            .map_err(|e| ConnectError::Settings(format!("host name {host}: {e}")))?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(self.rustls_config()?))
+            .connect(name, tcp)
+            .await
+            .map_err(|e| {
+                ConnectError::Settings(format!("TLS handshake with {host}:{port}: {e}"))
+            })?;
+        let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
+        Ok(cert.and_then(|der| {
+            webpki::EndEntityCert::try_from(der)
+                .ok()?
+                .valid_dns_names()
+                .next()
+                .map(str::to_string)
+        }))
+    }
+
+    /// Opens a query connection; its task is spawned and ends when the
+    /// client is dropped.
+    pub async fn connect(
+        &self,
+        what: &'static str,
+    ) -> Result<tokio_postgres::Client, ConnectError> {
+        let tls = MakeRustlsConnect::new(self.rustls_config()?);
+        let (client, conn) = self.config.connect(tls).await.map_err(ConnectError::Db)?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "{what} connection closed");
+            }
+        });
+        Ok(client)
+    }
+}
+
+/// The certificate checks of `verify-ca` (`chain`: the chain is checked,
+/// the name is not) and of `prefer` / `require` (no `chain`: encrypted, the
+/// certificate not checked, libpq's meaning of these modes). The handshake
+/// signatures are checked in every mode.
+#[derive(Debug)]
+struct Relaxed {
+    chain: Option<Arc<WebPkiServerVerifier>>,
+    algorithms: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for Relaxed {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
+            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName))
+            | Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_settings_are_taken_out_of_both_url_forms() {
+        let u = PgUrl::parse(
+            "postgres://u:p@db.example:5433/app?sslmode=verify-full&sslrootcert=/ca.pem&application_name=x",
+        )
+        .unwrap();
+        assert_eq!(u.ssl_mode, SslMode::VerifyFull);
+        assert_eq!(u.root_cert, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(u.config.get_dbname(), Some("app"));
+        assert_eq!(u.config.get_application_name(), Some("x"));
+        assert_eq!(
+            u.config.get_ssl_mode(),
+            tokio_postgres::config::SslMode::Require
+        );
+        let k = PgUrl::parse("host=db user=u sslmode=verify-ca sslrootcert=/ca.pem dbname=app")
+            .unwrap();
+        assert_eq!(k.ssl_mode, SslMode::VerifyCa);
+        assert_eq!(k.config.get_dbname(), Some("app"));
+        let d = PgUrl::parse("postgres://u@h/db").unwrap();
+        assert_eq!(d.ssl_mode, SslMode::Prefer);
+        assert_eq!(d.ssl_mode, SslMode::Prefer);
+        let off = PgUrl::parse("postgres://u@h/db?sslmode=disable").unwrap();
+        assert_eq!(
+            off.config.get_ssl_mode(),
+            tokio_postgres::config::SslMode::Disable
+        );
+        assert_eq!(off.ssl_mode, SslMode::Disable);
+    }
+
+    #[test]
+    fn a_wrong_sslmode_or_root_cert_is_a_clear_error() {
+        let e = PgUrl::parse("postgres://u@h/db?sslmode=verify_full").unwrap_err();
+        assert!(e.to_string().contains("verify-full"), "{e}");
+        assert!(!e.is_retryable());
+        let e = PgUrl::parse("host=h port=notaport").unwrap_err();
+        assert!(e.to_string().contains("invalid"), "{e}");
+        assert!(!e.is_retryable(), "a bad URL stays bad: {e}");
+        let u = PgUrl::parse("postgres://u@h/db?sslmode=verify-full&sslrootcert=/nonexistent.pem")
+            .unwrap();
+        let e = u.rustls_config().unwrap_err();
+        assert!(e.to_string().contains("/nonexistent.pem"), "{e}");
+    }
+}
