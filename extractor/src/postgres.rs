@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
 use skein_common::config::{Config, PostgresSource, Secret};
 use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
-use skein_sql::postgres::{resolve_sql, CATALOG_QUERY};
-use skein_sql::{Catalog, ColumnInfo, TableInfo};
+use skein_sql::postgres::{check_schema_change, describe_change, resolve_sql, schema_stop};
+use skein_sql::Catalog;
 use tokio_postgres::NoTls;
 use tracing::{debug, info, warn};
 
@@ -41,46 +41,9 @@ pub async fn connect(url: &Secret, what: &str) -> Result<tokio_postgres::Client>
 pub async fn load_catalog(client: &tokio_postgres::Client, cfg: &Config) -> Result<Catalog> {
     // Each table once: a table in two entities would otherwise list its
     // columns (and key) twice.
-    let (schemas, tables): (Vec<String>, Vec<String>) = cfg.tables().into_iter().unzip();
-    let rows = client
-        .query(CATALOG_QUERY, &[&schemas, &tables])
+    skein_sql::postgres::client::read_catalog(client, &cfg.tables())
         .await
-        .map_err(src("reading the catalog"))?;
-    let mut cat = Catalog::default();
-    let mut pks: HashMap<(String, String), Vec<(i32, String)>> = HashMap::new();
-    for r in rows {
-        let schema: String = r.get(0);
-        let table: String = r.get(1);
-        let col = ColumnInfo {
-            name: r.get(2),
-            data_type: r.get(3),
-            type_name: r.get(4),
-            nullable: r.get(5),
-        };
-        let pk_pos: Option<i32> = r.get(6);
-        let ident: String = r.get(7);
-        if let Some(p) = pk_pos {
-            pks.entry((schema.clone(), table.clone()))
-                .or_default()
-                .push((p, col.name.clone()));
-        }
-        let key = (schema.clone(), table.clone());
-        let t = cat.tables.entry(key).or_insert_with(|| TableInfo {
-            schema,
-            table,
-            columns: vec![],
-            primary_key: vec![],
-            replica_identity: ident.chars().next().unwrap_or('d'),
-        });
-        t.columns.push(col);
-    }
-    for (k, mut cols) in pks {
-        cols.sort();
-        if let Some(t) = cat.tables.get_mut(&k) {
-            t.primary_key = cols.into_iter().map(|(_, c)| c).collect();
-        }
-    }
-    Ok(cat)
+        .map_err(src("reading the catalog"))
 }
 
 /// One committed transaction.
@@ -159,7 +122,12 @@ const RETENTION_CHECK_EVERY: Duration = Duration::from_secs(30);
 /// The PostgreSQL change source.
 pub struct PgSource {
     client: tokio_postgres::Client,
+    /// The config, to read the catalog again and check it.
+    cfg: Config,
     catalog: Catalog,
+    /// A Relation message announced a table whose columns differ from what
+    /// the plans were built for: read the catalog again before resolving.
+    schema_changed: bool,
     url: Secret,
     slot: String,
     publication: String,
@@ -185,7 +153,9 @@ impl PgSource {
         let (plans, by_table) = crate::plans_for(cfg, &catalog)?;
         Ok(PgSource {
             client,
+            cfg: cfg.clone(),
             catalog,
+            schema_changed: false,
             url: source.url.clone(),
             slot: source.slot.clone(),
             publication: source.publication.clone(),
@@ -544,6 +514,10 @@ impl PgSource {
                 }
                 ReplicationEvent::XLogData { data, .. } => {
                     let msg = pgoutput::decode(&data)?;
+                    if let Message::Relation(r) = &msg {
+                        self.schema_changed |=
+                            relation_changed(self.relations.get(&r.oid), r, &self.catalog);
+                    }
                     handle(&mut self.relations, msg, current.as_mut())?;
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } if current.is_none() => {
@@ -739,7 +713,32 @@ impl PgSource {
         res.finish(&self.plans, &meta)
     }
 
-    /// The catalog read at connect time.
+    /// Reads the catalog again after a Relation message announced a
+    /// changed table, checks the config against it and rebuilds the
+    /// resolution plans from it. The key and join columns the plans use
+    /// are what the publication carries, so a change the config cannot
+    /// follow stops here, before the batch is resolved; the appliers check
+    /// the whole config in their own snapshots (over Kafka they never see
+    /// Relation messages).
+    async fn follow_schema(&mut self) -> Result<()> {
+        let now = load_catalog(&self.client, &self.cfg).await?;
+        let problems = check_schema_change(&self.cfg, &self.catalog, &now);
+        if !problems.is_empty() {
+            let (message, fix) = schema_stop(&problems);
+            return Err(Error::NotReady { message, fix });
+        }
+        let (plans, by_table) = crate::plans_for(&self.cfg, &now)?;
+        if now != self.catalog {
+            info!(changes = ?describe_change(&self.catalog, &now),
+                "the source's schema changed; resolution follows it");
+        }
+        (self.plans, self.by_table, self.catalog) = (plans, by_table, now);
+        self.schema_changed = false;
+        Ok(())
+    }
+
+    /// The catalog the plans are built from (read at connect time, again
+    /// after a schema change).
     pub fn catalog(&self) -> &Catalog {
         &self.catalog
     }
@@ -784,6 +783,9 @@ impl ChangeSource for PgSource {
         if batch.upper <= lower {
             return Ok(ReadBatch::default());
         }
+        if self.schema_changed {
+            self.follow_schema().await?;
+        }
         self.read_unchanged(&mut batch).await?;
         let records = self.resolve(&batch).await?;
         Ok(ReadBatch {
@@ -822,6 +824,19 @@ fn truncate_stop(tx: &Tx) -> Error {
             tx.changes.len(),
             tx.end_lsn
         ),
+    }
+}
+
+/// Whether a Relation message announces a table other than the one the
+/// resolution plans were built for: its columns differ from its previous
+/// announcement in this stream (added, dropped, retyped, key flags), or, at
+/// its first announcement, it carries a column the catalog lacks.
+fn relation_changed(previous: Option<&Relation>, now: &Relation, catalog: &Catalog) -> bool {
+    match previous {
+        Some(p) => p.columns != now.columns,
+        None => catalog
+            .table(&now.schema, &now.table)
+            .is_some_and(|t| now.columns.iter().any(|c| t.column(&c.name).is_none())),
     }
 }
 
@@ -896,5 +911,67 @@ fn handle(
                 "pgoutput: row change outside a transaction".into(),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use skein_sql::{ColumnInfo, TableInfo};
+
+    use super::*;
+    use crate::pgoutput::RelColumn;
+
+    fn rel(cols: &[(&str, u32)]) -> Relation {
+        Relation {
+            oid: 7,
+            schema: "public".into(),
+            table: "address".into(),
+            columns: cols
+                .iter()
+                .map(|(n, t)| RelColumn {
+                    name: (*n).into(),
+                    is_key: *n == "id",
+                    type_oid: *t,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_relation_is_changed_when_its_columns_differ_from_what_the_plans_know() {
+        let mut catalog = Catalog::default();
+        catalog.insert(TableInfo {
+            schema: "public".into(),
+            table: "address".into(),
+            columns: ["id", "customer_id"]
+                .into_iter()
+                .map(|n| ColumnInfo {
+                    name: n.into(),
+                    data_type: "integer".into(),
+                    type_name: "int4".into(),
+                    nullable: false,
+                })
+                .collect(),
+            primary_key: vec!["id".into()],
+            replica_identity: 'f',
+        });
+        let first = rel(&[("id", 23), ("customer_id", 23)]);
+        // The first announcement: only a column the catalog lacks counts.
+        assert!(!relation_changed(None, &first, &catalog));
+        let added = rel(&[("id", 23), ("customer_id", 23), ("zip", 25)]);
+        assert!(relation_changed(None, &added, &catalog));
+        // Announced again (after any invalidation): only a difference counts.
+        assert!(!relation_changed(Some(&first), &first, &catalog));
+        assert!(relation_changed(Some(&first), &added, &catalog));
+        assert!(relation_changed(
+            Some(&first),
+            &rel(&[("id", 23), ("customer_id", 25)]),
+            &catalog
+        ));
+        assert!(relation_changed(
+            Some(&first),
+            &rel(&[("id", 23)]),
+            &catalog
+        ));
     }
 }
