@@ -195,3 +195,52 @@ async fn an_alter_while_a_batch_is_hydrated_publishes_a_state_that_existed() {
     assert_eq!(a["lines"][0]["note"], "n", "{a}");
     assert_exactly_once(&env).await;
 }
+
+/// A DDL transaction that alters two tables in another order than the
+/// applier locks them (the child first, then, once the applier waits on the
+/// child, the root) deadlocks with the batch's snapshot; PostgreSQL breaks
+/// the cycle by failing one side. The pipeline neither stops nor loses the
+/// change, and the DDL goes through.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ddl_transaction_that_deadlocks_with_a_batch_does_not_stop_it() {
+    let (env, mut run) = seeded("schema_deadlock", None).await;
+    let ddl = connect(&env.url).await;
+    ddl.batch_execute("BEGIN; ALTER TABLE address ADD COLUMN zip text DEFAULT 'Z';")
+        .await
+        .unwrap();
+    env.exec("UPDATE customer SET name = 'Ada L.' WHERE id = 1;")
+        .await;
+    // Until the applier waits on `address` (holding `customer`).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: i64 = env
+            .db
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'address'::regclass",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        run.check_alive(&env);
+        assert!(std::time::Instant::now() < deadline, "{}", env.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let done = ddl
+        .batch_execute("ALTER TABLE customer ADD COLUMN tier text DEFAULT 'gold'; COMMIT;")
+        .await;
+    env.settle(&mut run).await;
+    env.step(&mut run, "UPDATE customer SET email = 'c@x' WHERE id = 1;")
+        .await;
+    run.stop(&env);
+    let data = last_data(&env);
+    assert_eq!(data["name"], "Ada L.", "{data}");
+    if done.is_ok() {
+        assert_eq!(data["tier"], "gold", "{data}");
+        assert_eq!(data["addresses"][0]["zip"], "Z", "{data}");
+    }
+    assert_exactly_once(&env).await;
+}

@@ -146,6 +146,20 @@ impl Source {
                     let opened = client.batch_execute(&sql).await;
                     // Even a failed LOCK leaves the transaction open (aborted).
                     *in_snapshot = true;
+                    if let Err(e) = &opened {
+                        // Taking the locks waited on a DDL transaction that
+                        // then waited on them (it altered two of the tables
+                        // in another order): PostgreSQL broke the cycle
+                        // here; nothing was read, so take them again.
+                        if e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+                            && started.elapsed() < VISIBILITY_WAIT
+                        {
+                            warn!(error = %e, "locking the source tables met a schema change; trying again");
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_secs(1));
+                            continue;
+                        }
+                    }
                     opened.map_err(|e| match e.code() {
                         Some(&SqlState::UNDEFINED_TABLE) => {
                             let (message, fix) = schema_stop_with(
