@@ -125,6 +125,17 @@ async fn a_dropped_or_retyped_column_the_config_names_stops_naming_it() {
             "is_deleted",
             "is_deleted_column",
         ),
+        (
+            // Published without a column list (REPLICA IDENTITY FULL), so
+            // PostgreSQL lets it be retyped, and the change below reaches
+            // the extractor with a changed Relation message: it stops there.
+            "join_retype",
+            "ALTER TABLE address ALTER COLUMN customer_id TYPE text;
+             UPDATE address SET kind = 'work' WHERE id = 10;",
+            "public.address",
+            "customer_id",
+            "on.name",
+        ),
     ];
     for (name, ddl, table, column, field) in cases {
         let (env, run) = seeded(&format!("schema_named_{name}"), None).await;
