@@ -136,6 +136,17 @@ async fn a_dropped_or_retyped_column_the_config_names_stops_naming_it() {
             "customer_id",
             "on.name",
         ),
+        (
+            // The extractor resolves a grandchild through its parent's
+            // join column, which is gone (and no Relation message says so:
+            // the parent left the publication).
+            "lookup",
+            "ALTER TABLE address DROP COLUMN customer_id CASCADE;
+             INSERT INTO address_line VALUES (10, 2, 'Upper Flat');",
+            "public.address",
+            "customer_id",
+            "on.name",
+        ),
     ];
     for (name, ddl, table, column, field) in cases {
         let (env, run) = seeded(&format!("schema_named_{name}"), None).await;

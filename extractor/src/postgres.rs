@@ -11,6 +11,7 @@ use skein_common::config::{Config, PostgresSource, Secret};
 use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
 use skein_sql::postgres::{check_schema_change, describe_change, resolve_sql, schema_stop};
 use skein_sql::Catalog;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 use tracing::{debug, info, warn};
 
@@ -632,9 +633,13 @@ impl PgSource {
                 .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
                 .collect();
             let sql = skein_sql::postgres::row_columns_sql(info, &cols);
-            let rows = self.client.query(&sql, &params).await.map_err(src(format!(
-                "reading unchanged TOAST values of {schema}.{table}"
-            )))?;
+            let rows = match self.client.query(&sql, &params).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let what = format!("reading unchanged TOAST values of {schema}.{table}");
+                    return Err(self.explain(src(what)(e)).await);
+                }
+            };
             let mut found = vec![false; at.len()];
             for r in rows {
                 let ord: i64 = r.get(0);
@@ -686,10 +691,13 @@ impl PgSource {
                 .iter()
                 .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
                 .collect();
-            let rows = self.client.query(&sql, &params).await.map_err(src(format!(
-                "resolving roots of {}",
-                plan.nodes[g.node].qualified()
-            )))?;
+            let rows = match self.client.query(&sql, &params).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let what = format!("resolving roots of {}", plan.nodes[g.node].qualified());
+                    return Err(self.explain(src(what)(e)).await);
+                }
+            };
             let answers = rows
                 .iter()
                 .map(|r| {
@@ -735,6 +743,37 @@ impl PgSource {
         (self.plans, self.by_table, self.catalog) = (plans, by_table, now);
         self.schema_changed = false;
         Ok(())
+    }
+
+    /// A lookup that met a table or column that is not there (or an
+    /// operator for a type that changed): the schema changed with no
+    /// Relation message to say so (a table that left the publication with
+    /// a `DROP COLUMN ... CASCADE`). When the catalog read now shows a
+    /// change the config cannot follow, that is the error; otherwise `e`.
+    async fn explain(&self, e: Error) -> Error {
+        let Error::Source { source, .. } = &e else {
+            return e;
+        };
+        let schema_like = [
+            SqlState::UNDEFINED_COLUMN,
+            SqlState::UNDEFINED_TABLE,
+            SqlState::UNDEFINED_FUNCTION,
+        ];
+        if !source.code().is_some_and(|c| schema_like.contains(c)) {
+            return e;
+        }
+        let Ok(now) = load_catalog(&self.client, &self.cfg).await else {
+            return e;
+        };
+        let problems = check_schema_change(&self.cfg, &self.catalog, &now);
+        if problems.is_empty() {
+            return e;
+        }
+        let (message, fix) = schema_stop(&problems);
+        Error::NotReady {
+            message: format!("{message} ({e})"),
+            fix,
+        }
     }
 
     /// The catalog the plans are built from (read at connect time, again
