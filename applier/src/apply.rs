@@ -7,6 +7,7 @@ use std::time::Instant;
 use skein_common::config::Config;
 use skein_common::failpoint::failpoint;
 use skein_common::{Checkpoint, CheckpointKind, RootKey};
+use skein_sql::postgres::{check_schema_change, describe_change, schema_stop};
 use skein_sql::Catalog;
 use skein_transporter::Delivery;
 use tracing::info;
@@ -34,6 +35,19 @@ async fn hydrate_all(
     Ok(out)
 }
 
+/// Every entity's hydrator, rendered from `catalog`.
+fn hydrators(cfg: &Config, catalog: &Catalog, source: &Source) -> HashMap<String, EntityHydrator> {
+    cfg.entities
+        .iter()
+        .map(|e| {
+            (
+                e.name.clone(),
+                EntityHydrator::new(e, catalog, source.dialect()),
+            )
+        })
+        .collect()
+}
+
 /// What one applied batch did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Applied {
@@ -52,6 +66,8 @@ pub struct Applier<S: Sidecar> {
     cfg: Config,
     source: Source,
     sidecar: S,
+    /// The catalog `hydrators` were rendered from.
+    catalog: Catalog,
     hydrators: HashMap<String, EntityHydrator>,
     topic: String,
     partition: u32,
@@ -73,20 +89,12 @@ impl<S: Sidecar> Applier<S> {
         partition: u32,
         kind: CheckpointKind,
     ) -> Self {
-        let hydrators = cfg
-            .entities
-            .iter()
-            .map(|e| {
-                (
-                    e.name.clone(),
-                    EntityHydrator::new(e, catalog, source.dialect()),
-                )
-            })
-            .collect();
+        let hydrators = hydrators(cfg, catalog, &source);
         Applier {
             cfg: cfg.clone(),
             source,
             sidecar,
+            catalog: catalog.clone(),
             hydrators,
             topic: topic.to_string(),
             partition,
@@ -94,6 +102,38 @@ impl<S: Sidecar> Applier<S> {
             progress: None,
             claimed: false,
         }
+    }
+
+    /// Renders the hydration queries again when the catalog the open
+    /// snapshot sees differs from the one they were rendered from: a column
+    /// the config does not name may come (it shows in the aggregates' next
+    /// events, so their etags change) or go. A change the config cannot
+    /// follow ([`check_schema_change`]) stops the applier with
+    /// [`Error::Schema`], before anything of the batch is written.
+    ///
+    /// Read in every batch's snapshot, not on the extractor's Relation
+    /// messages: an applier over Kafka never sees those, and only the
+    /// snapshot's own catalog is the one its queries run against.
+    async fn follow_schema(&mut self) -> Result<()> {
+        let Some(now) = self.source.catalog().await? else {
+            return Ok(());
+        };
+        if now == self.catalog {
+            return Ok(());
+        }
+        let problems = check_schema_change(&self.cfg, &self.catalog, &now);
+        if !problems.is_empty() {
+            let (message, fix) = schema_stop(&problems);
+            return Err(Error::Schema { message, fix });
+        }
+        info!(
+            partition = self.partition,
+            changes = ?describe_change(&self.catalog, &now),
+            "the source's schema changed; hydration follows it"
+        );
+        self.hydrators = hydrators(&self.cfg, &now, &self.source);
+        self.catalog = now;
+        Ok(())
     }
 
     /// The partition.
@@ -194,7 +234,10 @@ impl<S: Sidecar> Applier<S> {
         xids.sort_unstable();
         xids.dedup();
         self.source.begin_snapshot(&xids).await?;
-        let read = hydrate_all(&self.hydrators, &mut self.source, &by_entity).await;
+        let read = match self.follow_schema().await {
+            Ok(()) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
+            Err(e) => Err(e),
+        };
         // A hydration error is the cause; ending the snapshot after it can
         // only fail for the same reason (a lost connection).
         let ended = self.source.end_snapshot().await;

@@ -35,6 +35,10 @@ pub enum Error {
         expected: Option<Fence>,
         found: Option<Fence>,
     },
+    /// The source's schema changed under the running pipeline in a way the
+    /// config cannot follow (a column it names dropped or retyped).
+    #[error("{message}\nFix:\n{fix}")]
+    Schema { message: String, fix: String },
     /// A row from the source could not be turned into JSON.
     #[error("{0}")]
     Data(String),

@@ -18,9 +18,11 @@ use skein_common::config::{self, Cardinality, Config, EntityConfig, TableNode};
 use skein_common::failpoint::failpoint;
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{Dialect, RootKey};
-use skein_sql::postgres::{hydrate_sql, referenced_columns};
+use skein_sql::postgres::catalog::read_catalog;
+use skein_sql::postgres::{hydrate_sql, lock_tables_sql, referenced_columns, schema_stop_with};
 use skein_sql::sqlserver::MssqlClient;
 use skein_sql::{sqlserver, Catalog};
+use tokio_postgres::error::SqlState;
 
 use crate::decide::{Current, DeletePayload};
 use crate::error::{db, Error, Result};
@@ -40,6 +42,9 @@ pub enum Source {
         client: tokio_postgres::Client,
         /// A snapshot transaction is open.
         in_snapshot: bool,
+        /// Every table of the config, `(schema, table)`: locked in each
+        /// snapshot, their catalog read in it.
+        tables: Vec<(String, String)>,
     },
     /// SQL Server (boxed: the TDS client carries its buffers).
     SqlServer(Box<MssqlClient>),
@@ -86,6 +91,7 @@ impl Source {
                 Ok(Source::Postgres {
                     client,
                     in_snapshot: false,
+                    tables: cfg.tables(),
                 })
             }
             config::Source::SqlServer(ms) => Ok(Source::SqlServer(Box::new(
@@ -104,8 +110,15 @@ impl Source {
 
     /// Starts the one snapshot a batch's hydration reads: PostgreSQL,
     /// a `REPEATABLE READ READ ONLY` transaction (one left open by a batch
-    /// that failed midway is rolled back first, never read on) whose
-    /// snapshot sees every source transaction in `xids` (the batch's). The
+    /// that failed midway is rolled back first, never read on) that first
+    /// takes `ACCESS SHARE` locks on every table of the config, then a
+    /// snapshot that sees every source transaction in `xids` (the batch's).
+    /// The locks come before the snapshot, so no `ALTER TABLE` of those
+    /// tables commits while the batch reads them (it waits for the
+    /// snapshot to end): the catalog [`Source::catalog`] reads in the
+    /// snapshot is the one every hydration query runs against, and a table
+    /// rewrite (which older snapshots see as empty) cannot land between
+    /// two tables' reads. The
     /// change stream carries a commit once its WAL is flushed, a moment
     /// before other sessions see it (longer under load, or while the
     /// commit waits for a synchronous standby): hydrating then would read
@@ -118,21 +131,45 @@ impl Source {
             Source::Postgres {
                 client,
                 in_snapshot,
+                tables,
             } => {
                 let xids: Vec<i64> = xids.iter().map(|x| *x as i64).collect();
+                let lock = lock_tables_sql(tables);
                 let started = Instant::now();
                 let mut pause = Duration::from_millis(5);
                 loop {
                     let sql = if *in_snapshot {
-                        format!("ROLLBACK; {BEGIN_SNAPSHOT}")
+                        format!("ROLLBACK; {BEGIN_SNAPSHOT}; {lock}")
                     } else {
-                        BEGIN_SNAPSHOT.to_string()
+                        format!("{BEGIN_SNAPSHOT}; {lock}")
                     };
-                    client
-                        .batch_execute(&sql)
-                        .await
-                        .map_err(db("opening the hydration snapshot"))?;
+                    let opened = client.batch_execute(&sql).await;
+                    // Even a failed LOCK leaves the transaction open (aborted).
                     *in_snapshot = true;
+                    if let Err(e) = &opened {
+                        // Taking the locks waited on a DDL transaction that
+                        // then waited on them (it altered two of the tables
+                        // in another order): PostgreSQL broke the cycle
+                        // here; nothing was read, so take them again.
+                        if e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+                            && started.elapsed() < VISIBILITY_WAIT
+                        {
+                            warn!(error = %e, "locking the source tables met a schema change; trying again");
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_secs(1));
+                            continue;
+                        }
+                    }
+                    opened.map_err(|e| match e.code() {
+                        Some(&SqlState::UNDEFINED_TABLE) => {
+                            let (message, fix) = schema_stop_with(
+                                vec![format!("a table of the config is gone ({e})")],
+                                vec!["create the table again, or take it out of the config".into()],
+                            );
+                            Error::Schema { message, fix }
+                        }
+                        _ => db("opening the hydration snapshot")(e),
+                    })?;
                     if xids.is_empty() {
                         return Ok(());
                     }
@@ -171,12 +208,27 @@ impl Source {
         }
     }
 
+    /// The catalog of the config's tables as the open snapshot sees it
+    /// (PostgreSQL; the locks of [`Source::begin_snapshot`] keep it so until
+    /// the snapshot ends). `None`: this dialect does not follow schema
+    /// changes while running yet (SQL Server), the start-up catalog stays.
+    pub async fn catalog(&self) -> Result<Option<Catalog>> {
+        match self {
+            Source::Postgres { client, tables, .. } => read_catalog(client, tables)
+                .await
+                .map(Some)
+                .map_err(db("reading the catalog in the hydration snapshot")),
+            Source::SqlServer(_) => Ok(None),
+        }
+    }
+
     /// Ends the batch's snapshot (it only read: committing releases it).
     pub async fn end_snapshot(&mut self) -> Result<()> {
         match self {
             Source::Postgres {
                 client,
                 in_snapshot,
+                ..
             } => {
                 client
                     .batch_execute("COMMIT")

@@ -190,7 +190,7 @@ pub(crate) fn plans_for(
     if let Some(first) = missing.first() {
         return Err(Error::NotReady {
             message: first.to_string(),
-            fix: "create the table/column or fix the config, then run `skein validate`".into(),
+            fix: format!("{}, then run `skein validate`", first.fix()),
         });
     }
     let plans: Vec<resolve::EntityPlan> = cfg

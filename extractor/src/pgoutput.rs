@@ -16,6 +16,8 @@ pub struct RelColumn {
     pub name: String,
     /// Part of the replica identity.
     pub is_key: bool,
+    /// Type OID (a retyped column sends another one).
+    pub type_oid: u32,
 }
 
 /// A Relation message: the table behind a relation id.
@@ -135,11 +137,12 @@ pub fn decode(data: &Bytes) -> Result<Message> {
                 let flags = buf.get_u8();
                 let name = cstr(&mut buf, "column name")?;
                 need(&buf, 8, "column type")?;
-                let _type_oid = buf.get_u32();
+                let type_oid = buf.get_u32();
                 let _typmod = buf.get_i32();
                 columns.push(RelColumn {
                     name,
                     is_key: flags & 1 == 1,
+                    type_oid,
                 });
             }
             Ok(Message::Relation(Relation {
@@ -345,6 +348,7 @@ pub(crate) mod tests {
                 .map(|n| RelColumn {
                     name: n.into(),
                     is_key: n == "id",
+                    type_oid: 25,
                 })
                 .collect(),
         };

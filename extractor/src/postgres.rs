@@ -10,8 +10,9 @@ use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationE
 use skein_common::config::{Config, PostgresSource, Secret};
 use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
 use skein_sql::postgres::client::PgUrl;
-use skein_sql::postgres::{resolve_sql, CATALOG_QUERY};
-use skein_sql::{Catalog, ColumnInfo, TableInfo};
+use skein_sql::postgres::{check_schema_change, describe_change, resolve_sql, schema_stop};
+use skein_sql::Catalog;
+use tokio_postgres::error::SqlState;
 use tracing::{info, warn};
 
 use crate::error::{src, Error, Result};
@@ -39,46 +40,9 @@ pub async fn connect(url: &Secret, what: &'static str) -> Result<tokio_postgres:
 pub async fn load_catalog(client: &tokio_postgres::Client, cfg: &Config) -> Result<Catalog> {
     // Each table once: a table in two entities would otherwise list its
     // columns (and key) twice.
-    let (schemas, tables): (Vec<String>, Vec<String>) = cfg.tables().into_iter().unzip();
-    let rows = client
-        .query(CATALOG_QUERY, &[&schemas, &tables])
+    skein_sql::postgres::catalog::read_catalog(client, &cfg.tables())
         .await
-        .map_err(src("reading the catalog"))?;
-    let mut cat = Catalog::default();
-    let mut pks: HashMap<(String, String), Vec<(i32, String)>> = HashMap::new();
-    for r in rows {
-        let schema: String = r.get(0);
-        let table: String = r.get(1);
-        let col = ColumnInfo {
-            name: r.get(2),
-            data_type: r.get(3),
-            type_name: r.get(4),
-            nullable: r.get(5),
-        };
-        let pk_pos: Option<i32> = r.get(6);
-        let ident: String = r.get(7);
-        if let Some(p) = pk_pos {
-            pks.entry((schema.clone(), table.clone()))
-                .or_default()
-                .push((p, col.name.clone()));
-        }
-        let key = (schema.clone(), table.clone());
-        let t = cat.tables.entry(key).or_insert_with(|| TableInfo {
-            schema,
-            table,
-            columns: vec![],
-            primary_key: vec![],
-            replica_identity: ident.chars().next().unwrap_or('d'),
-        });
-        t.columns.push(col);
-    }
-    for (k, mut cols) in pks {
-        cols.sort();
-        if let Some(t) = cat.tables.get_mut(&k) {
-            t.primary_key = cols.into_iter().map(|(_, c)| c).collect();
-        }
-    }
-    Ok(cat)
+        .map_err(src("reading the catalog"))
 }
 
 /// One committed transaction.
@@ -157,7 +121,12 @@ const RETENTION_CHECK_EVERY: Duration = Duration::from_secs(30);
 /// The PostgreSQL change source.
 pub struct PgSource {
     client: tokio_postgres::Client,
+    /// The config, to read the catalog again and check it.
+    cfg: Config,
     catalog: Catalog,
+    /// A Relation message announced a table whose columns differ from what
+    /// the plans were built for: read the catalog again before resolving.
+    schema_changed: bool,
     url: Secret,
     slot: String,
     publication: String,
@@ -183,7 +152,9 @@ impl PgSource {
         let (plans, by_table) = crate::plans_for(cfg, &catalog)?;
         Ok(PgSource {
             client,
+            cfg: cfg.clone(),
             catalog,
+            schema_changed: false,
             url: source.url.clone(),
             slot: source.slot.clone(),
             publication: source.publication.clone(),
@@ -552,6 +523,10 @@ impl PgSource {
                 }
                 ReplicationEvent::XLogData { data, .. } => {
                     let msg = pgoutput::decode(&data)?;
+                    if let Message::Relation(r) = &msg {
+                        self.schema_changed |=
+                            relation_changed(self.relations.get(&r.oid), r, &self.catalog);
+                    }
                     handle(&mut self.relations, msg, current.as_mut())?;
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } if current.is_none() => {
@@ -666,9 +641,13 @@ impl PgSource {
                 .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
                 .collect();
             let sql = skein_sql::postgres::row_columns_sql(info, &cols);
-            let rows = self.client.query(&sql, &params).await.map_err(src(format!(
-                "reading unchanged TOAST values of {schema}.{table}"
-            )))?;
+            let rows = match self.client.query(&sql, &params).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let what = format!("reading unchanged TOAST values of {schema}.{table}");
+                    return Err(self.explain(src(what)(e)).await);
+                }
+            };
             let mut found = vec![false; at.len()];
             for r in rows {
                 let ord: i64 = r.get(0);
@@ -720,10 +699,13 @@ impl PgSource {
                 .iter()
                 .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
                 .collect();
-            let rows = self.client.query(&sql, &params).await.map_err(src(format!(
-                "resolving roots of {}",
-                plan.nodes[g.node].qualified()
-            )))?;
+            let rows = match self.client.query(&sql, &params).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let what = format!("resolving roots of {}", plan.nodes[g.node].qualified());
+                    return Err(self.explain(src(what)(e)).await);
+                }
+            };
             let answers = rows
                 .iter()
                 .map(|r| {
@@ -747,7 +729,63 @@ impl PgSource {
         res.finish(&self.plans, &meta)
     }
 
-    /// The catalog read at connect time.
+    /// Reads the catalog again after a Relation message announced a
+    /// changed table, checks the config against it and rebuilds the
+    /// resolution plans from it. The key and join columns the plans use
+    /// are what the publication carries, so a change the config cannot
+    /// follow stops here, before the batch is resolved; the appliers check
+    /// the whole config in their own snapshots (over Kafka they never see
+    /// Relation messages).
+    async fn follow_schema(&mut self) -> Result<()> {
+        let now = load_catalog(&self.client, &self.cfg).await?;
+        let problems = check_schema_change(&self.cfg, &self.catalog, &now);
+        if !problems.is_empty() {
+            let (message, fix) = schema_stop(&problems);
+            return Err(Error::NotReady { message, fix });
+        }
+        let (plans, by_table) = crate::plans_for(&self.cfg, &now)?;
+        if now != self.catalog {
+            info!(changes = ?describe_change(&self.catalog, &now),
+                "the source's schema changed; resolution follows it");
+        }
+        (self.plans, self.by_table, self.catalog) = (plans, by_table, now);
+        self.schema_changed = false;
+        Ok(())
+    }
+
+    /// A lookup that met a table or column that is not there (or an
+    /// operator for a type that changed): the schema changed with no
+    /// Relation message to say so (a table that left the publication with
+    /// a `DROP COLUMN ... CASCADE`). When the catalog read now shows a
+    /// change the config cannot follow, that is the error; otherwise `e`.
+    async fn explain(&self, e: Error) -> Error {
+        let Error::Source { source, .. } = &e else {
+            return e;
+        };
+        let schema_like = [
+            SqlState::UNDEFINED_COLUMN,
+            SqlState::UNDEFINED_TABLE,
+            SqlState::UNDEFINED_FUNCTION,
+        ];
+        if !source.code().is_some_and(|c| schema_like.contains(c)) {
+            return e;
+        }
+        let Ok(now) = load_catalog(&self.client, &self.cfg).await else {
+            return e;
+        };
+        let problems = check_schema_change(&self.cfg, &self.catalog, &now);
+        if problems.is_empty() {
+            return e;
+        }
+        let (message, fix) = schema_stop(&problems);
+        Error::NotReady {
+            message: format!("{message} ({e})"),
+            fix,
+        }
+    }
+
+    /// The catalog the plans are built from (read at connect time, again
+    /// after a schema change).
     pub fn catalog(&self) -> &Catalog {
         &self.catalog
     }
@@ -792,6 +830,9 @@ impl ChangeSource for PgSource {
         if batch.upper <= lower {
             return Ok(ReadBatch::default());
         }
+        if self.schema_changed {
+            self.follow_schema().await?;
+        }
         self.read_unchanged(&mut batch).await?;
         let records = self.resolve(&batch).await?;
         Ok(ReadBatch {
@@ -830,6 +871,19 @@ fn truncate_stop(tx: &Tx) -> Error {
             tx.changes.len(),
             tx.end_lsn
         ),
+    }
+}
+
+/// Whether a Relation message announces a table other than the one the
+/// resolution plans were built for: its columns differ from its previous
+/// announcement in this stream (added, dropped, retyped, key flags), or, at
+/// its first announcement, it carries a column the catalog lacks.
+fn relation_changed(previous: Option<&Relation>, now: &Relation, catalog: &Catalog) -> bool {
+    match previous {
+        Some(p) => p.columns != now.columns,
+        None => catalog
+            .table(&now.schema, &now.table)
+            .is_some_and(|t| now.columns.iter().any(|c| t.column(&c.name).is_none())),
     }
 }
 
@@ -904,5 +958,67 @@ fn handle(
                 "pgoutput: row change outside a transaction".into(),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use skein_sql::{ColumnInfo, TableInfo};
+
+    use super::*;
+    use crate::pgoutput::RelColumn;
+
+    fn rel(cols: &[(&str, u32)]) -> Relation {
+        Relation {
+            oid: 7,
+            schema: "public".into(),
+            table: "address".into(),
+            columns: cols
+                .iter()
+                .map(|(n, t)| RelColumn {
+                    name: (*n).into(),
+                    is_key: *n == "id",
+                    type_oid: *t,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_relation_is_changed_when_its_columns_differ_from_what_the_plans_know() {
+        let mut catalog = Catalog::default();
+        catalog.insert(TableInfo {
+            schema: "public".into(),
+            table: "address".into(),
+            columns: ["id", "customer_id"]
+                .into_iter()
+                .map(|n| ColumnInfo {
+                    name: n.into(),
+                    data_type: "integer".into(),
+                    type_name: "int4".into(),
+                    nullable: false,
+                })
+                .collect(),
+            primary_key: vec!["id".into()],
+            replica_identity: 'f',
+        });
+        let first = rel(&[("id", 23), ("customer_id", 23)]);
+        // The first announcement: only a column the catalog lacks counts.
+        assert!(!relation_changed(None, &first, &catalog));
+        let added = rel(&[("id", 23), ("customer_id", 23), ("zip", 25)]);
+        assert!(relation_changed(None, &added, &catalog));
+        // Announced again (after any invalidation): only a difference counts.
+        assert!(!relation_changed(Some(&first), &first, &catalog));
+        assert!(relation_changed(Some(&first), &added, &catalog));
+        assert!(relation_changed(
+            Some(&first),
+            &rel(&[("id", 23), ("customer_id", 25)]),
+            &catalog
+        ));
+        assert!(relation_changed(
+            Some(&first),
+            &rel(&[("id", 23)]),
+            &catalog
+        ));
     }
 }

@@ -3,13 +3,20 @@
 //! catalog reads of validate and status in [`admin`].
 
 pub mod admin;
+pub mod catalog;
 pub mod client;
+pub mod schema;
 pub mod sidecar;
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
 use skein_common::config::{Config, EntityConfig, PostgresSource, TableNode};
+
+pub use self::schema::{
+    check_schema_change, describe_change, named_columns, schema_stop, schema_stop_with,
+    value_format, ValueFormat,
+};
 
 use crate::catalog::{Catalog, ColumnInfo, TableInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
@@ -40,6 +47,32 @@ pub enum SqlError {
         column: String,
         field: &'static str,
     },
+    /// A column a key, a join or the logical delete relies on changed its
+    /// value format under a running pipeline.
+    #[error(
+        "column `{column}` of {schema}.{table} (entity `{entity}`, {field}) changed type from \
+         {from} to {to}, which gives its values another form"
+    )]
+    RetypedColumn {
+        entity: String,
+        schema: String,
+        table: String,
+        column: String,
+        field: &'static str,
+        from: String,
+        to: String,
+    },
+    /// The primary key a node's key comes from changed under a running pipeline.
+    #[error(
+        "the primary key of {schema}.{table} (entity `{entity}`, key) changed from {from:?} to {to:?}"
+    )]
+    KeyChanged {
+        entity: String,
+        schema: String,
+        table: String,
+        from: Vec<String>,
+        to: Vec<String>,
+    },
     /// A table has neither a configured key nor a primary key.
     #[error("{schema}.{table} (entity `{entity}`) has no primary key: add one or set `key:` in the config")]
     NoKey {
@@ -63,35 +96,7 @@ pub fn check_catalog(cfg: &Config, catalog: &Catalog) -> Vec<SqlError> {
                 });
                 continue;
             };
-            let mut want: Vec<(&str, &'static str)> = vec![];
-            for c in &n.include_columns {
-                want.push((c, "include_columns"));
-            }
-            for c in &n.exclude_columns {
-                want.push((c, "exclude_columns"));
-            }
-            for c in &n.exclude_columns_from_etag {
-                want.push((c, "exclude_columns_from_etag"));
-            }
-            for c in n.key.iter().flatten() {
-                want.push((c, "key"));
-            }
-            for on in &n.on {
-                want.push((&on.name, "on.name"));
-            }
-            for child in nodes.iter().filter(|c| c.parent == Some(n.index)) {
-                for on in &child.on {
-                    want.push((&on.to_column, "on.to_column"));
-                }
-            }
-            if n.index == 0 {
-                if let Some(d) = &e.is_deleted_column {
-                    want.push((d, "is_deleted_column"));
-                }
-                for c in &e.include_columns_on_delete {
-                    want.push((c, "include_columns_on_delete"));
-                }
-            }
+            let want = named_columns(e, &nodes, n);
             for (c, field) in want {
                 if t.column(c).is_none() {
                     errors.push(SqlError::MissingColumn {
@@ -479,6 +484,17 @@ pub fn referenced_columns(nodes: &[TableNode], index: usize) -> Vec<String> {
         .flat_map(|c| c.on.iter().map(|o| o.to_column.clone()))
         .collect();
     set.into_iter().collect()
+}
+
+/// Taken first in a batch's hydration snapshot, before the snapshot
+/// itself: `ACCESS SHARE` locks on `tables`, so no `ALTER TABLE` of them
+/// commits until the snapshot ends.
+pub fn lock_tables_sql(tables: &[(String, String)]) -> String {
+    let list: Vec<String> = tables
+        .iter()
+        .map(|(s, t)| format!("{}.{}", qi(s), qi(t)))
+        .collect();
+    format!("LOCK TABLE {} IN ACCESS SHARE MODE", list.join(", "))
 }
 
 /// Hydration query of one node of an entity for a batch of root keys.
