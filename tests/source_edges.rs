@@ -139,14 +139,17 @@ async fn unchanged_toasted_join_column_without_old_image_is_looked_up() {
     assert_exactly_once(&env).await;
 }
 
-/// A TRUNCATE names no rows, so no aggregate can be resolved from it. The
-/// pipeline stops naming the transaction's position and the exact command
-/// that skips it; after that command it goes on.
+/// `on_truncate: stop`: a TRUNCATE names no rows, so the pipeline stops
+/// naming the transaction's position and the exact command that skips it;
+/// after that command it goes on.
 #[tokio::test(flavor = "multi_thread")]
 async fn truncate_stops_naming_its_position_and_the_command_that_skips_it() {
-    let env = Env::with_files("truncate_stop", &FILES, TransportChoice::InProcess, same).await;
-    // `skein sql source` leaves TRUNCATE out of the publication; a
-    // publication managed by hand may carry it.
+    let env = Env::with_files("truncate_stop", &FILES, TransportChoice::InProcess, |y| {
+        y + "extractor:\n  on_truncate: stop\n"
+    })
+    .await;
+    // With `stop`, `skein sql source` leaves TRUNCATE out of the
+    // publication; a publication managed by hand may carry it.
     env.exec(
         "ALTER PUBLICATION skein_truncate_stop SET (publish = 'insert, update, delete, truncate')",
     )
@@ -192,6 +195,95 @@ async fn truncate_stops_naming_its_position_and_the_command_that_skips_it() {
         subjects.last().map(String::as_str),
         Some("folder.f2"),
         "{subjects:?}"
+    );
+}
+
+/// The `subject action`s published since `seen` of them, sorted (events of
+/// different aggregates may reach the sink in any order).
+fn new_actions(env: &Env, seen: &mut usize) -> Vec<String> {
+    let all = env.subject_actions();
+    let mut new = all[*seen..].to_vec();
+    *seen = all.len();
+    new.sort();
+    new
+}
+
+/// `on_truncate: recheck` (the default): a TRUNCATE of any table of an
+/// entity re-checks every aggregate skein published for it, in the
+/// transaction's order, on every partition: a root that is gone is
+/// deleted, one whose children went is updated, one that did not change
+/// publishes nothing, and what the same transaction inserts after the
+/// TRUNCATE is created.
+#[tokio::test(flavor = "multi_thread")]
+async fn truncate_rechecks_what_was_published() {
+    let env = Env::new("truncate_recheck", same).await;
+    let mut run = env.start().await;
+    let mut seen = 0;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'a'), (2, 'b'), (3, 'c'), (6, 'f');
+         INSERT INTO contact VALUES (1, 'a@x', 'email'), (3, 'c@x', 'email');",
+    )
+    .await;
+    assert_eq!(new_actions(&env, &mut seen).len(), 4);
+    // A child table: the roots that had contacts change, the others do not.
+    env.step(&mut run, "TRUNCATE contact").await;
+    assert_eq!(
+        new_actions(&env, &mut seen),
+        ["customer.1 updated", "customer.3 updated"]
+    );
+    // The root, amid other changes of one transaction: 4 comes and goes
+    // before anything was published of it; 5 comes after.
+    env.step(
+        &mut run,
+        "BEGIN;
+         UPDATE customer SET name = 'b2' WHERE id = 2;
+         INSERT INTO customer (id, name) VALUES (4, 'd');
+         TRUNCATE customer, address, address_line, contact;
+         INSERT INTO customer (id, name) VALUES (5, 'e'), (6, 'f');
+         COMMIT;",
+    )
+    .await;
+    assert_eq!(
+        new_actions(&env, &mut seen),
+        [
+            "customer.1 deleted",
+            "customer.2 deleted",
+            "customer.3 deleted",
+            "customer.5 created",
+        ]
+    );
+    // A deleted aggregate comes back as a create; nothing is re-checked twice.
+    env.step(&mut run, "INSERT INTO customer (id, name) VALUES (1, 'a')")
+        .await;
+    env.step(&mut run, "TRUNCATE address").await;
+    assert_eq!(new_actions(&env, &mut seen), ["customer.1 created"]);
+    assert!(
+        env.log().contains("a TRUNCATE: re-checking"),
+        "{}",
+        env.log()
+    );
+    run.stop(&env);
+    assert_exactly_once(&env).await;
+}
+
+/// A publication made before `recheck` existed leaves TRUNCATE out: the
+/// extractor says so at start, with the statement that fixes it, rather
+/// than letting a TRUNCATE pass unseen.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publication_without_truncate_is_warned_about() {
+    let env = Env::new("truncate_unpublished", same).await;
+    env.exec(
+        "ALTER PUBLICATION skein_truncate_unpublished SET (publish = 'insert, update, delete')",
+    )
+    .await;
+    let run = env.start().await;
+    run.stop(&env);
+    let log = env.log();
+    assert!(
+        log.contains("leaves TRUNCATE out")
+            && log.contains("SET (publish = 'insert, update, delete, truncate')"),
+        "{log}"
     );
 }
 

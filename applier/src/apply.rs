@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use skein_common::config::Config;
 use skein_common::failpoint::failpoint;
-use skein_common::{Checkpoint, CheckpointKind, RootKey};
+use skein_common::record::{partition_for, transport_key, Op};
+use skein_common::{ChangeRecord, Checkpoint, CheckpointKind, RootKey};
 use skein_sql::postgres::{check_schema_change, describe_change, schema_stop};
 use skein_sql::Catalog;
 use skein_transporter::Delivery;
@@ -136,6 +137,61 @@ impl<S: Sidecar> Applier<S> {
         Ok(())
     }
 
+    /// Replaces each truncate notice with one [`Op::Truncate`] record per
+    /// aggregate of its entity that this partition published and did not
+    /// delete, at the notice's position: consolidation then re-checks each
+    /// ([`crate::decide`]: gone → deleted, present → updated when its etag
+    /// changed). Every earlier record of the partition is committed or in
+    /// this delivery before the notice, so no published aggregate is missed.
+    async fn recheck_truncated(&mut self, records: Vec<ChangeRecord>) -> Result<Vec<ChangeRecord>> {
+        if !records.iter().any(|r| r.op == Op::Truncate) {
+            return Ok(records);
+        }
+        let partitions = self.cfg.transport.partitions();
+        let mut keys: HashMap<String, Vec<RootKey>> = HashMap::new();
+        let mut out = Vec::with_capacity(records.len());
+        for r in records {
+            if r.op != Op::Truncate {
+                out.push(r);
+                continue;
+            }
+            if !keys.contains_key(&r.entity) {
+                let mine = self
+                    .sidecar
+                    .published_keys(&r.entity)
+                    .await?
+                    .iter()
+                    .map(|k| {
+                        RootKey::from_canonical(k).ok_or_else(|| {
+                            Error::Data(format!("stored version key `{k}` is not a key"))
+                        })
+                    })
+                    .filter(|k| {
+                        k.as_ref().map_or(true, |k| {
+                            partition_for(&transport_key(&r.entity, k), partitions)
+                                == self.partition
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                info!(
+                    partition = self.partition,
+                    entity = %r.entity,
+                    table = %r.table,
+                    aggregates = mine.len(),
+                    "a TRUNCATE: re-checking the aggregates this partition published"
+                );
+                keys.insert(r.entity.clone(), mine);
+            }
+            for k in &keys[&r.entity] {
+                out.push(ChangeRecord {
+                    root_key: k.clone(),
+                    ..r.clone()
+                });
+            }
+        }
+        Ok(out)
+    }
+
     /// The partition.
     pub fn partition(&self) -> u32 {
         self.partition
@@ -204,6 +260,7 @@ impl<S: Sidecar> Applier<S> {
                 source_after,
             } => (records, dropped, source_after),
         };
+        let records = self.recheck_truncated(records).await?;
         let correlation_id = uuid::Uuid::now_v7().to_string();
         let consolidated = consolidate(&records);
 

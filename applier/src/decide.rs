@@ -16,7 +16,9 @@ pub struct Consolidated {
     pub key: RootKey,
     /// The first operation in position order.
     pub first_op: Op,
-    /// Whether any operation was a delete of the root.
+    /// Whether any operation was a delete of the root, or a TRUNCATE that
+    /// may have removed it (a root gone now is then deleted: no delete
+    /// follows a TRUNCATE).
     pub has_delete: bool,
     /// Position of the last change.
     pub last_position: ChangePosition,
@@ -35,7 +37,7 @@ pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
         match index.get(&(r.entity.as_str(), &r.root_key)) {
             Some(i) => {
                 let c = &mut out[*i];
-                c.has_delete |= r.op == Op::Delete;
+                c.has_delete |= matches!(r.op, Op::Delete | Op::Truncate);
                 c.last_position = c.last_position.max(r.position);
                 c.commit_time_micros = c.commit_time_micros.max(r.commit_time_micros);
                 c.records += 1;
@@ -46,7 +48,7 @@ pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
                     entity: r.entity.clone(),
                     key: r.root_key.clone(),
                     first_op: r.op,
-                    has_delete: r.op == Op::Delete,
+                    has_delete: matches!(r.op, Op::Delete | Op::Truncate),
                     last_position: r.position,
                     commit_time_micros: r.commit_time_micros,
                     records: 1,
@@ -250,6 +252,41 @@ mod tests {
         );
         assert_eq!(c[0].last_position.seq, 2);
         assert_eq!((c[1].first_op, c[1].has_delete), (Op::Update, false));
+    }
+
+    /// A TRUNCATE re-check: gone → deleted (no delete follows a TRUNCATE),
+    /// present → the etag decides, re-inserted after it → not a create of
+    /// something published and not deleted.
+    #[test]
+    fn a_truncate_recheck_deletes_what_is_gone_and_keeps_what_is_unchanged() {
+        let stored = Stored {
+            etag: Some(etag(&json!({"id": 1}))),
+            is_deleted: false,
+        };
+        let gone = decide(
+            &one(&[Op::Truncate]),
+            &Current::Missing,
+            Some(&stored),
+            &payload(),
+        );
+        assert_eq!(gone.unwrap().action, Action::Deleted);
+        let same = present(json!({"id": 1}));
+        assert_eq!(
+            decide(
+                &one(&[Op::Truncate, Op::Insert]),
+                &same,
+                Some(&stored),
+                &payload()
+            ),
+            None
+        );
+        let changed = decide(
+            &one(&[Op::Truncate, Op::Insert]),
+            &present(json!({"id": 1, "n": 2})),
+            Some(&stored),
+            &payload(),
+        );
+        assert_eq!(changed.unwrap().action, Action::Updated);
     }
 
     #[test]

@@ -17,6 +17,11 @@ pub enum Op {
     Update,
     /// The row was deleted.
     Delete,
+    /// The table was truncated (`on_truncate: recheck`). The extractor
+    /// sends one notice per partition ([`ChangeRecord::truncate_notice`]):
+    /// it cannot name the rows, so each partition's applier re-checks the
+    /// aggregates of the entity it published; gone → deleted.
+    Truncate,
 }
 
 /// The primary key of an aggregate root, as the text the source prints for
@@ -86,6 +91,44 @@ impl ChangeRecord {
     /// aggregate has the same key, so it lands in one partition, in order.
     pub fn transport_key(&self) -> String {
         transport_key(&self.entity, &self.root_key)
+    }
+
+    /// A TRUNCATE of `table` (of `entity`) addressed to `partition`: its
+    /// root key is the partition number, as text. Sent to every partition,
+    /// in the truncating transaction's order, so each applier re-checks the
+    /// aggregates it owns after everything before the TRUNCATE.
+    pub fn truncate_notice(
+        entity: &str,
+        table: &str,
+        partition: u32,
+        position: ChangePosition,
+        tx_id: u64,
+        commit_time_micros: i64,
+    ) -> ChangeRecord {
+        ChangeRecord {
+            entity: entity.to_string(),
+            root_key: RootKey(vec![Some(partition.to_string())]),
+            table: table.to_string(),
+            op: Op::Truncate,
+            position,
+            tx_id,
+            commit_time_micros,
+        }
+    }
+
+    /// The partition this record travels in: the hash of its transport key
+    /// ([`partition_for`]), or for a truncate notice the partition it names.
+    pub fn partition(&self, partitions: u32) -> u32 {
+        if self.op == Op::Truncate {
+            if let [Some(p)] = self.root_key.0.as_slice() {
+                if let Ok(p) = p.parse::<u32>() {
+                    if p < partitions {
+                        return p;
+                    }
+                }
+            }
+        }
+        partition_for(&self.transport_key(), partitions)
     }
 }
 

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
-use skein_common::config::{Config, PostgresSource, Secret};
+use skein_common::config::{Config, OnTruncate, PostgresSource, Secret};
 use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
 use skein_sql::postgres::client::PgUrl;
 use skein_sql::postgres::{check_schema_change, describe_change, resolve_sql, schema_stop};
@@ -218,16 +218,29 @@ impl PgSource {
         let publication = self
             .client
             .query_opt(
-                "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1",
+                "SELECT pubtruncate FROM pg_catalog.pg_publication WHERE pubname = $1",
                 &[&self.publication],
             )
             .await
             .map_err(src("checking the publication"))?;
-        if publication.is_none() {
+        let Some(publication) = publication else {
             return Err(Error::NotReady {
                 message: format!("publication `{}` does not exist", self.publication),
                 fix: "run the output of `skein sql source` against the source database".into(),
             });
+        };
+        let publishes_truncate: bool = publication.get(0);
+        if !publishes_truncate && self.cfg.extractor.on_truncate == OnTruncate::Recheck {
+            // A publication made before `recheck` existed: a TRUNCATE would
+            // pass unseen and its aggregates keep their last event.
+            warn!(
+                publication = %self.publication,
+                "extractor.on_truncate is `recheck` but the publication leaves TRUNCATE out, so a \
+                 TRUNCATE is not seen and its aggregates keep their last event. Fix: \
+                 ALTER PUBLICATION \"{}\" SET (publish = 'insert, update, delete, truncate'); \
+                 (or run `skein sql source` again), or set `extractor.on_truncate: stop`",
+                self.publication
+            );
         }
         let slot = self
             .client
@@ -512,7 +525,9 @@ impl PgSource {
                     tx.commit_time_micros = commit_time_micros + PG_EPOCH_OFFSET_MICROS;
                     count += tx.changes.len();
                     if tx.end_lsn > lower {
-                        if !tx.truncated.is_empty() {
+                        if !tx.truncated.is_empty()
+                            && self.cfg.extractor.on_truncate == OnTruncate::Stop
+                        {
                             return Err(truncate_stop(&tx));
                         }
                         txs.push(tx);
@@ -685,6 +700,7 @@ impl PgSource {
         let mut res = BatchResolution::new(
             &self.plans,
             &self.by_table,
+            self.cfg.transport.partitions(),
             batch.txs.iter().map(|t| t.changes.as_slice()),
         )?;
         for gi in 0..res.lookups().len() {
@@ -866,8 +882,10 @@ fn truncate_stop(tx: &Tx) -> Error {
              with the pipeline stopped and the same --config:\n\
              skein marker reset --to {} --continue-with-data-loss\n\
              The aggregates of the truncated tables keep their last event until they change again. \
-             To keep TRUNCATE out of the stream, publish only 'insert, update, delete' \
-             (what `skein sql source` prints).",
+             To re-check them instead, set `extractor.on_truncate: recheck` (the default) \
+             before the TRUNCATE reaches the stream; to keep TRUNCATE out of the stream, \
+             publish only 'insert, update, delete' (what `skein sql source` prints with \
+             `on_truncate: stop`).",
             tx.changes.len(),
             tx.end_lsn
         ),
@@ -939,12 +957,23 @@ fn handle(
                 let tx = tx.ok_or_else(|| {
                     Error::Decode("pgoutput: TRUNCATE outside a transaction".into())
                 })?;
-                // Stops at the commit, where the transaction's position is known.
-                tx.truncated
-                    .extend(oids.iter().map(|o| match relations.get(o) {
-                        Some(r) => format!("{}.{}", r.schema, r.table),
-                        None => format!("relation {o}"),
-                    }));
+                // `on_truncate: stop` stops at the commit, where the
+                // transaction's position is known; `recheck` resolves each
+                // truncated table in its place among the row changes.
+                for o in &oids {
+                    match relations.get(o) {
+                        Some(r) => {
+                            tx.truncated.push(format!("{}.{}", r.schema, r.table));
+                            tx.changes.push(RawChange {
+                                table: (r.schema.clone(), r.table.clone()),
+                                op: Op::Truncate,
+                                old: None,
+                                new: None,
+                            });
+                        }
+                        None => tx.truncated.push(format!("relation {o}")),
+                    }
+                }
                 return Ok(());
             }
             Message::Other(_) => return Ok(()),

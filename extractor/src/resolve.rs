@@ -111,6 +111,11 @@ pub fn resolve(
                 out.push((Op::Delete, RootKey(k)));
             }
             Op::Insert => out.push((Op::Insert, RootKey(new_key.unwrap_or_default()))),
+            Op::Truncate => {
+                return Err(Error::Decode(format!(
+                    "a TRUNCATE of {table} names no rows: it is resolved per batch, not per row"
+                )))
+            }
             Op::Update => {
                 let nk = new_key.unwrap_or_default();
                 match old_key {
@@ -251,10 +256,15 @@ pub struct BatchResolution {
 
 impl BatchResolution {
     /// Resolves what the images allow. `txs` are the batch's transactions
-    /// in commit order, each its changes in order.
+    /// in commit order, each its changes in order. A TRUNCATE
+    /// ([`Op::Truncate`], no images) resolves to one truncate notice per
+    /// entity of the table and partition (`partitions` of the transport):
+    /// it names no rows, so every partition's applier re-checks what it
+    /// published.
     pub fn new<'a>(
         plans: &[EntityPlan],
         by_table: &TableIndex,
+        partitions: u32,
         txs: impl IntoIterator<Item = &'a [RawChange]>,
     ) -> Result<BatchResolution> {
         let mut out = BatchResolution::default();
@@ -268,6 +278,22 @@ impl BatchResolution {
                 };
                 // Numbers every root key and lookup tuple of the change.
                 let mut cand = 0u32;
+                if ch.op == Op::Truncate {
+                    let table = format!("{}.{}", ch.table.0, ch.table.1);
+                    let notices = targets
+                        .iter()
+                        .flat_map(|(pi, _)| {
+                            (0..partitions).map(move |p| (*pi, RootKey(vec![Some(p.to_string())])))
+                        })
+                        .map(|(pi, key)| {
+                            cand += 1;
+                            (pi, Op::Truncate, key, cand - 1)
+                        })
+                        .collect();
+                    out.slots.push((ti, seq, table, notices));
+                    seq += 1;
+                    continue;
+                }
                 for (pi, node) in targets {
                     let res = resolve(&plans[*pi], *node, ch.op, ch.old.as_ref(), ch.new.as_ref())?;
                     let slot = out.slots.len();
@@ -511,6 +537,53 @@ entities:
         );
     }
 
+    /// A TRUNCATE resolves, in its place, to one notice per partition, each
+    /// routed to the partition it names and numbered after the change
+    /// before it.
+    #[test]
+    fn a_truncate_is_a_notice_to_every_partition_in_its_place() {
+        let p = vec![plan()];
+        let idx = table_index(&p);
+        let t = |n: &str| ("public".to_string(), n.to_string());
+        let change = |table: &str, op: Op, id: Option<&str>| RawChange {
+            table: t(table),
+            op,
+            old: None,
+            new: id.map(|i| img(&[("id", Some(i))])),
+        };
+        let tx = vec![
+            change("customer", Op::Insert, Some("1")),
+            change("address_line", Op::Truncate, None),
+            change("customer", Op::Insert, Some("2")),
+        ];
+        let meta = TxMeta {
+            position: skein_common::PgLsn(100).into(),
+            tx_id: 7,
+            commit_time_micros: 0,
+        };
+        let r = BatchResolution::new(&p, &idx, 3, [tx.as_slice()]).unwrap();
+        let recs = r.finish(&p, &[meta]).unwrap();
+        let ops: Vec<(Op, String)> = recs
+            .iter()
+            .map(|r| (r.op, r.root_key.to_string()))
+            .collect();
+        assert_eq!(
+            ops,
+            [
+                (Op::Insert, "1".into()),
+                (Op::Truncate, "0".into()),
+                (Op::Truncate, "1".into()),
+                (Op::Truncate, "2".into()),
+                (Op::Insert, "2".into()),
+            ]
+        );
+        assert!(recs.windows(2).all(|w| w[0].position < w[1].position));
+        for (i, n) in recs[1..4].iter().enumerate() {
+            assert_eq!(n.partition(3), i as u32);
+            assert_eq!(n.table, "public.address_line");
+        }
+    }
+
     #[test]
     fn a_batch_resolves_in_source_order_with_lookups_answered() {
         let p = vec![plan()];
@@ -542,7 +615,7 @@ entities:
             old: Some(img(&[("address_id", Some("8")), ("line_no", Some("1"))])),
             new: None,
         }];
-        let mut r = BatchResolution::new(&p, &idx, [tx1.as_slice(), tx2.as_slice()]).unwrap();
+        let mut r = BatchResolution::new(&p, &idx, 4, [tx1.as_slice(), tx2.as_slice()]).unwrap();
         assert_eq!(r.lookups().len(), 1);
         assert_eq!(
             r.lookups()[0].values,
@@ -611,7 +684,7 @@ entities:
                 new: Some(img(&[("id", Some("4"))])),
             },
         ];
-        let r = BatchResolution::new(&p, &idx, [tx.as_slice(), tx[3..].as_ref()]).unwrap();
+        let r = BatchResolution::new(&p, &idx, 4, [tx.as_slice(), tx[3..].as_ref()]).unwrap();
         let meta = |c: u64| TxMeta {
             position: skein_common::PgLsn(c).into(),
             tx_id: c,
@@ -677,7 +750,7 @@ entities:
             commit_time_micros: 0,
         }];
         let read = |answers: Vec<(i64, RootKey)>| {
-            let mut r = BatchResolution::new(&p, &idx, [tx.as_slice()]).unwrap();
+            let mut r = BatchResolution::new(&p, &idx, 4, [tx.as_slice()]).unwrap();
             r.answer(0, answers).unwrap();
             r.finish(&p, &meta).unwrap()
         };

@@ -705,9 +705,12 @@ impl MssqlSource {
         txs: &[(SqlServerLsn, Vec<RawChange>)],
         times: &HashMap<SqlServerLsn, (i64, u64)>,
     ) -> Result<Vec<ChangeRecord>> {
+        // SQL Server refuses TRUNCATE on a table with CDC enabled: no
+        // truncate notices, whatever the partition count.
         let mut res = BatchResolution::new(
             &self.plans,
             &self.by_table,
+            1,
             txs.iter().map(|(_, c)| c.as_slice()),
         )?;
         for gi in 0..res.lookups().len() {

@@ -447,6 +447,7 @@ fn sqlserver_sidecar_statements_are_frozen() {
             sc::versions_merge_sql(s, 2),
         ),
         ("versions of three keys", sc::versions_sql(s, 3)),
+        ("truncate: the keys to re-check", sc::published_keys_sql(s)),
         ("pending outbox", sc::pending_sql(s)),
         ("relay, all partitions", sc::relay_select_sql(s, None)),
         (
@@ -506,6 +507,7 @@ fn postgres_sidecar_statements_are_frozen() {
         ("batch transaction 3: outbox rows", sc::outbox_insert_sql(s)),
         ("batch transaction 4: versions", sc::versions_upsert_sql(s)),
         ("versions of some keys", sc::versions_sql(s)),
+        ("truncate: the keys to re-check", sc::published_keys_sql(s)),
         ("pending outbox", sc::pending_sql(s)),
         ("relay, all partitions", sc::relay_select_all_sql(s)),
         (

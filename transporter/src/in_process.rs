@@ -9,7 +9,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use skein_common::record::partition_for;
 use skein_common::Checkpoint;
 
 use crate::{
@@ -79,7 +78,7 @@ pub fn split(batch: &Batch, partitions: u32) -> Vec<Batch> {
         })
         .collect();
     for r in &batch.records {
-        let p = partition_for(&r.transport_key(), partitions) as usize;
+        let p = r.partition(partitions) as usize;
         parts[p].records.push(r.clone());
     }
     parts

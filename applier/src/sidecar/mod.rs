@@ -248,6 +248,12 @@ pub trait Sidecar {
         keys: &[String],
     ) -> impl Future<Output = Result<HashMap<String, Stored>>> + Send;
 
+    /// The canonical keys of an entity whose last event was not a delete:
+    /// every aggregate a TRUNCATE may have changed. Read by the partition's
+    /// applier before its batch transaction; the keys of its partition are
+    /// written only by it (fenced), so none can appear meanwhile.
+    fn published_keys(&mut self, entity: &str) -> impl Future<Output = Result<Vec<String>>> + Send;
+
     /// The one batch transaction, read top to bottom in each implementation:
     /// fence (move progress from `expected` to `position`, or create it when
     /// `expected` is `None`), batch row, outbox rows in the given order,
@@ -474,6 +480,10 @@ impl Sidecar for AnySidecar {
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
         delegate!(self, s => s.versions(entity, keys).await)
+    }
+
+    async fn published_keys(&mut self, entity: &str) -> Result<Vec<String>> {
+        delegate!(self, s => s.published_keys(entity).await)
     }
 
     async fn commit(&mut self, batch: &BatchCommit) -> Result<i64> {

@@ -175,6 +175,15 @@ impl Sidecar for PgSidecar {
             .collect())
     }
 
+    async fn published_keys(&mut self, entity: &str) -> Result<Vec<String>> {
+        let rows = self
+            .client
+            .query(&sc::published_keys_sql(&self.schema), &[&entity])
+            .await
+            .map_err(db("reading the published keys to re-check"))?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
     /// Read top to bottom: fence, batch row, outbox, versions, commit.
     async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
         let s = self.schema.as_str();

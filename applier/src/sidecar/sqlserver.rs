@@ -376,6 +376,18 @@ impl Sidecar for MssqlSidecar {
         Ok(out)
     }
 
+    async fn published_keys(&mut self, entity: &str) -> Result<Vec<String>> {
+        let rows = self
+            .client
+            .query(
+                "reading the published keys to re-check",
+                &sc::published_keys_sql(&self.schema),
+                &[&entity],
+            )
+            .await?;
+        Ok(rows.iter().filter_map(|r| text(r.first())).collect())
+    }
+
     /// Read top to bottom: `BEGIN TRAN`, then [`commit_in_tx`] (fence, batch
     /// row, outbox, versions), `COMMIT`; an error drops the transaction
     /// guard, which rolls it back.

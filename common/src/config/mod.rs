@@ -368,6 +368,24 @@ pub struct ExtractorConfig {
     /// warned about, in the log and `skein status`.
     #[serde(default = "default_retention_warn")]
     pub retention_warn_fraction: f64,
+    /// What a TRUNCATE of a tracked table does (PostgreSQL; SQL Server
+    /// refuses TRUNCATE on a table with CDC enabled).
+    #[serde(default)]
+    pub on_truncate: OnTruncate,
+}
+
+/// `extractor.on_truncate`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTruncate {
+    /// Re-check every aggregate of the entity that skein published: each
+    /// partition's applier hydrates them again after everything before the
+    /// TRUNCATE; a root that is gone gets its deleted event.
+    #[default]
+    Recheck,
+    /// Stop at the truncating transaction, naming its position and the
+    /// `skein marker reset` that skips it.
+    Stop,
 }
 
 fn default_max_batch_changes() -> usize {
@@ -391,6 +409,7 @@ impl Default for ExtractorConfig {
             batch_linger_ms: DEFAULT_BATCH_LINGER_MS,
             max_batch_wait_ms: DEFAULT_MAX_BATCH_WAIT_MS,
             retention_warn_fraction: DEFAULT_RETENTION_WARN_FRACTION,
+            on_truncate: OnTruncate::default(),
         }
     }
 }

@@ -222,11 +222,17 @@ pub fn source_ddl(cfg: &Config, source: &PostgresSource, catalog: &Catalog) -> S
             }
         })
         .collect();
-    // TRUNCATE is not published: it names no rows, so no aggregate could be
-    // resolved from it (skein stops with an error if one arrives anyway).
+    // TRUNCATE names no rows: with `on_truncate: recheck` (the default) the
+    // appliers re-check what they published; with `stop` it is not
+    // published (skein stops if one arrives anyway). Left out with
+    // `recheck`, a TRUNCATE would pass unseen and its aggregates go stale.
+    let publish = match cfg.extractor.on_truncate {
+        skein_common::config::OnTruncate::Recheck => "insert, update, delete, truncate",
+        skein_common::config::OnTruncate::Stop => "insert, update, delete",
+    };
     let _ = writeln!(
         s,
-        "ALTER PUBLICATION {} SET (publish = 'insert, update, delete');",
+        "ALTER PUBLICATION {} SET (publish = '{publish}');",
         qi(pubname)
     );
     let _ = writeln!(

@@ -88,6 +88,15 @@ pub fn versions_sql(schema: &str) -> String {
     )
 }
 
+/// Keys of entity `$1` whose last event was not a delete: what a TRUNCATE
+/// re-checks. Column: key.
+pub fn published_keys_sql(schema: &str) -> String {
+    format!(
+        "SELECT key FROM {}.\"version\" WHERE entity = $1 AND NOT is_deleted ORDER BY key",
+        qi(schema)
+    )
+}
+
 /// Fence: moves progress from `$5` at epoch `$8` to `$4` (decimal texts),
 /// with the last source change `$6`/`$7`; affects 0 rows when progress
 /// moved or another applier took the partition (the epoch changed).

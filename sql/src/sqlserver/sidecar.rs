@@ -210,6 +210,16 @@ pub fn versions_sql(schema: &str, keys: usize) -> String {
     )
 }
 
+/// Keys of entity `@P1` whose last event was not a delete: what a TRUNCATE
+/// re-checks (SQL Server itself refuses TRUNCATE on CDC tables; the
+/// sidecar may still serve a PostgreSQL source).
+pub fn published_keys_sql(schema: &str) -> String {
+    format!(
+        "SELECT [key] FROM {}.[version] WHERE [entity] = @P1 AND [is_deleted] = 0 ORDER BY [key]",
+        qi(schema)
+    )
+}
+
 /// Pending outbox rows and the age of the oldest (ms).
 pub fn pending_sql(schema: &str) -> String {
     format!(

@@ -44,6 +44,9 @@ INSERT INTO "skein"."version" (entity, key, etag, is_deleted) SELECT * FROM unne
 -- versions of some keys
 SELECT key, etag, is_deleted FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);
 
+-- truncate: the keys to re-check
+SELECT key FROM "skein"."version" WHERE entity = $1 AND NOT is_deleted ORDER BY key;
+
 -- pending outbox
 SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 FROM "skein"."outbox" WHERE dequeued_at IS NULL;
 

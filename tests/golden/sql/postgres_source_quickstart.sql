@@ -13,7 +13,7 @@ BEGIN
   END IF;
 END
 $$;
-ALTER PUBLICATION "skein_quickstart" SET (publish = 'insert, update, delete');
+ALTER PUBLICATION "skein_quickstart" SET (publish = 'insert, update, delete, truncate');
 ALTER PUBLICATION "skein_quickstart" SET TABLE
   "public"."customer" ("id"),
   "public"."address",

@@ -40,6 +40,9 @@ MERGE [skein].[version] WITH (HOLDLOCK) AS t USING (VALUES (@P1, @P2, @P3, @P4),
 -- versions of three keys
 SELECT [key], [etag], CAST([is_deleted] AS int) FROM [skein].[version] WHERE [entity] = @P1 AND [key] IN (@P2, @P3, @P4);
 
+-- truncate: the keys to re-check
+SELECT [key] FROM [skein].[version] WHERE [entity] = @P1 AND [is_deleted] = 0 ORDER BY [key];
+
 -- pending outbox
 SELECT CAST(COUNT(*) AS bigint), COALESCE(DATEDIFF_BIG(millisecond, MIN([enqueued_at]), SYSUTCDATETIME()), 0) FROM [skein].[outbox] WHERE [dequeued_at] IS NULL;
 

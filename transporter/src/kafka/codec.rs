@@ -18,7 +18,13 @@ pub const FORMAT_V1: u8 = 1;
 /// (strings), which holds SQL Server's 80-bit LSNs as well.
 pub const FORMAT_V2: u8 = 2;
 
-/// The Avro schema behind [`FORMAT_V2`], what [`encode`] writes.
+/// Format byte of a truncate notice: v2's schema with one more `op`
+/// symbol. Only a record with that op is written in it, so an applier that
+/// knows v2 only still reads every other record.
+pub const FORMAT_V3: u8 = 3;
+
+/// The Avro schema behind [`FORMAT_V2`], what [`encode`] writes for every
+/// record but a truncate notice.
 pub const SCHEMA_JSON: &str = r#"{
   "type": "record", "name": "ChangeEnvelope", "namespace": "skein",
   "doc": "One change resolved to its aggregate root, or (record = null) a notice that the source lost changes before the batch (lower, upper].",
@@ -33,6 +39,30 @@ pub const SCHEMA_JSON: &str = r#"{
         {"name": "root_key", "type": {"type": "array", "items": ["null", "string"]}},
         {"name": "table", "type": "string"},
         {"name": "op", "type": {"type": "enum", "name": "Op", "symbols": ["insert", "update", "delete"]}},
+        {"name": "commit", "type": "string", "doc": "commit position of the source transaction"},
+        {"name": "seq", "type": "long", "doc": "order of the change inside its transaction"},
+        {"name": "tx_id", "type": "long"},
+        {"name": "commit_time_micros", "type": "long"}
+      ]
+    }]}
+  ]
+}"#;
+
+/// The Avro schema behind [`FORMAT_V3`]: v2 with the `truncate` op.
+pub const SCHEMA_V3_JSON: &str = r#"{
+  "type": "record", "name": "ChangeEnvelope", "namespace": "skein",
+  "doc": "One change resolved to its aggregate root, or (record = null) a notice that the source lost changes before the batch (lower, upper].",
+  "fields": [
+    {"name": "lower", "type": "string", "doc": "extractor batch: exclusive lower source position, as the source shows it (0/16B3748 or 0x0000002A000001F00003)"},
+    {"name": "upper", "type": "string", "doc": "extractor batch: inclusive upper source position"},
+    {"name": "has_data_loss", "type": "boolean"},
+    {"name": "record", "type": ["null", {
+      "type": "record", "name": "ChangeRecord",
+      "fields": [
+        {"name": "entity", "type": "string"},
+        {"name": "root_key", "type": {"type": "array", "items": ["null", "string"]}},
+        {"name": "table", "type": "string"},
+        {"name": "op", "type": {"type": "enum", "name": "Op", "symbols": ["insert", "update", "delete", "truncate"]}},
         {"name": "commit", "type": "string", "doc": "commit position of the source transaction"},
         {"name": "seq", "type": "long", "doc": "order of the change inside its transaction"},
         {"name": "tx_id", "type": "long"},
@@ -68,6 +98,8 @@ pub const SCHEMA_V1_JSON: &str = r#"{
 
 static SCHEMA: LazyLock<Schema> =
     LazyLock::new(|| Schema::parse_str(SCHEMA_JSON).expect("the change schema is valid Avro"));
+static SCHEMA_V3: LazyLock<Schema> =
+    LazyLock::new(|| Schema::parse_str(SCHEMA_V3_JSON).expect("the v3 schema is valid Avro"));
 static SCHEMA_V1: LazyLock<Schema> =
     LazyLock::new(|| Schema::parse_str(SCHEMA_V1_JSON).expect("the v1 schema is valid Avro"));
 
@@ -86,6 +118,7 @@ pub struct Envelope {
 
 /// Encodes an envelope: [`FORMAT_V2`] then the Avro datum.
 pub fn encode(e: &Envelope) -> Vec<u8> {
+    let truncate = e.record.as_ref().is_some_and(|r| r.op == Op::Truncate);
     let record = match &e.record {
         None => Value::Union(0, Box::new(Value::Null)),
         Some(r) => Value::Union(
@@ -112,6 +145,7 @@ pub fn encode(e: &Envelope) -> Vec<u8> {
                         Op::Insert => Value::Enum(0, "insert".into()),
                         Op::Update => Value::Enum(1, "update".into()),
                         Op::Delete => Value::Enum(2, "delete".into()),
+                        Op::Truncate => Value::Enum(3, "truncate".into()),
                     },
                 ),
                 (
@@ -136,9 +170,14 @@ pub fn encode(e: &Envelope) -> Vec<u8> {
         ("has_data_loss".into(), Value::Boolean(e.has_data_loss)),
         ("record".into(), record),
     ]);
-    let mut out = vec![FORMAT_V2];
+    let (format, schema) = if truncate {
+        (FORMAT_V3, &*SCHEMA_V3)
+    } else {
+        (FORMAT_V2, &*SCHEMA)
+    };
+    let mut out = vec![format];
     out.extend(
-        apache_avro::to_avro_datum(&SCHEMA, value).expect("an envelope always matches its schema"),
+        apache_avro::to_avro_datum(schema, value).expect("an envelope always matches its schema"),
     );
     out
 }
@@ -151,6 +190,7 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
     let schema: &Schema = match format {
         FORMAT_V1 => &SCHEMA_V1,
         FORMAT_V2 => &SCHEMA,
+        FORMAT_V3 => &SCHEMA_V3,
         _ => return Err(format!("unknown format byte {format}")),
     };
     let value = apache_avro::from_avro_datum(schema, &mut body, None)
@@ -228,6 +268,7 @@ fn decode_record(v: Value) -> std::result::Result<ChangeRecord, String> {
         Some(Value::Enum(_, s)) if s == "insert" => Op::Insert,
         Some(Value::Enum(_, s)) if s == "update" => Op::Update,
         Some(Value::Enum(_, s)) if s == "delete" => Op::Delete,
+        Some(Value::Enum(_, s)) if s == "truncate" => Op::Truncate,
         other => return Err(format!("field `op`: unexpected {other:?}")),
     };
     let seq = u64::try_from(long("seq")?).map_err(|_| "field `seq` out of range".to_string())?;
@@ -264,6 +305,38 @@ mod tests {
             tx_id: 912,
             commit_time_micros: 1_700_000_000_123_456,
         }
+    }
+
+    /// A truncate notice is the only record written in format 3; every other
+    /// record stays in format 2, which an applier that predates notices reads.
+    #[test]
+    fn truncate_notices_travel_in_format_3_and_nothing_else_does() {
+        let notice = ChangeRecord::truncate_notice(
+            "customer",
+            "public.address",
+            3,
+            ChangePosition {
+                commit: PgLsn(77).into(),
+                seq: 1,
+            },
+            5,
+            6,
+        );
+        let env = |r: ChangeRecord| Envelope {
+            lower: PgLsn(10).into(),
+            upper: PgLsn(80).into(),
+            has_data_loss: false,
+            record: Some(r),
+        };
+        let bytes = encode(&env(notice.clone()));
+        assert_eq!(bytes[0], FORMAT_V3);
+        assert_eq!(decode(&bytes).unwrap(), env(notice));
+        let plain = encode(&env(rec(vec![Some("1")])));
+        assert_eq!(plain[0], FORMAT_V2);
+        // Format 3 is format 2 with one more op: a v2 record reads the same.
+        let mut as_v3 = plain.clone();
+        as_v3[0] = FORMAT_V3;
+        assert_eq!(decode(&as_v3).unwrap(), decode(&plain).unwrap());
     }
 
     #[test]
@@ -342,7 +415,7 @@ mod tests {
     #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert!(decode(b"").is_err());
-        assert!(decode(b"\x03abc").unwrap_err().contains("format byte"));
+        assert!(decode(b"\x09abc").unwrap_err().contains("format byte"));
         assert!(decode(b"\x01\xff\xff").is_err());
         let mut ok = encode(&Envelope {
             lower: PgLsn(1).into(),

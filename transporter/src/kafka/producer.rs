@@ -6,7 +6,6 @@ use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
-use skein_common::record::partition_for;
 
 use super::codec::{encode, Envelope};
 use super::{kafka, KafkaTransportError};
@@ -87,7 +86,7 @@ impl Transport for KafkaTransport {
         }
         for r in batch.records {
             let key = r.transport_key();
-            let partition = partition_for(&key, self.partitions);
+            let partition = r.partition(self.partitions);
             let payload = encode(&Envelope {
                 lower: batch.lower,
                 upper: batch.upper,
