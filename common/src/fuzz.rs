@@ -62,7 +62,19 @@ pub fn allocation_bound(input_len: usize) -> usize {
 pub fn check<T>(what: &str, input_len: usize, decode: impl FnOnce() -> T) -> T {
     let start = Instant::now();
     let mut out = None;
-    let info = allocation_counter::measure(|| out = Some(decode()));
+    // The panic is caught inside and re-raised outside the measurement:
+    // allocation-counter does not unwind its own bookkeeping, so a panic
+    // escaping `measure` would, after a few shrinking steps, abort the
+    // whole test binary instead of failing the property with its input.
+    let info = allocation_counter::measure(|| {
+        out = Some(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+            decode,
+        )))
+    });
+    let out = match out.expect("measure runs the decode") {
+        Ok(out) => out,
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
     let largest = usize::try_from(info.bytes_max).unwrap_or(usize::MAX);
     let took = start.elapsed();
     assert!(
@@ -74,7 +86,7 @@ pub fn check<T>(what: &str, input_len: usize, decode: impl FnOnce() -> T) -> T {
         largest <= bound,
         "{what}: an input of {input_len} bytes held {largest} bytes at once (bound {bound})"
     );
-    out.expect("measure runs the decode")
+    out
 }
 
 /// Byte patterns a length or count field is most often wrong with: the
@@ -187,6 +199,18 @@ pub fn arbitrary_bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: a panicking decode aborted the test binary once
+    /// allocation-counter's nesting depth, leaked by each unwound
+    /// measurement, ran out.
+    #[test]
+    fn a_panicking_decode_fails_the_property_every_time() {
+        for _ in 0..100 {
+            let r = std::panic::catch_unwind(|| check("test", 1, || panic!("decoder bug")));
+            assert!(r.is_err());
+        }
+        check("test", 1, || ());
+    }
 
     #[test]
     #[should_panic(expected = "held")]
