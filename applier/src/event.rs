@@ -65,13 +65,14 @@ pub fn build_event(ctx: &EventContext<'_>, key: &RootKey, d: &Decision) -> Value
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use skein_common::Config;
 
     use super::*;
 
-    #[test]
-    fn event_has_the_cloudevents_shape() {
+    /// The event of `d` for the `customer` entity of a minimal config,
+    /// as the applier builds it (tests of what reads events use it too).
+    pub(crate) fn customer_event(key: &RootKey, d: &Decision, time_micros: i64) -> Value {
         let cfg = Config::from_yaml(
             "source: { kind: postgres, url: x }\nevents: { source_root: /contoso/crm/, type_root: contoso }\nentities: [{ name: customer, table: customer }]\n",
             "t",
@@ -82,15 +83,20 @@ mod tests {
             entity: &cfg.entities[0],
             id: "00000000-0000-0000-0000-000000000001",
             correlation_id: "c",
-            time_micros: 1_700_000_000_123_456,
+            time_micros,
         };
+        build_event(&ctx, key, d)
+    }
+
+    #[test]
+    fn event_has_the_cloudevents_shape() {
         let key = RootKey(vec![Some("1".into()), Some("a".into())]);
         let d = Decision {
             action: Action::Updated,
             data: json!({"id": 1}),
             etag: Some("e".into()),
         };
-        let ev = build_event(&ctx, &key, &d);
+        let ev = customer_event(&key, &d, 1_700_000_000_123_456);
         assert_eq!(ev["source"], "/contoso/crm/public/customer");
         assert_eq!(ev["type"], "contoso.customer.updated");
         assert_eq!(ev["subject"], "customer.1,a");
@@ -101,6 +107,6 @@ mod tests {
             data: json!({"id": 1}),
             etag: None,
         };
-        assert!(build_event(&ctx, &key, &del).get("etag").is_none());
+        assert!(customer_event(&key, &del, 0).get("etag").is_none());
     }
 }

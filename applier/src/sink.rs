@@ -319,7 +319,28 @@ pub fn kafka_binding(event: &str, mode: EventMode) -> Result<KafkaMessage> {
         message: format!("an outbox event is not JSON: {e}"),
         source: None,
     })?;
-    let key = v["key"].as_str().unwrap_or_default().to_string();
+    // Every event skein writes has a string `key`; without one, every such
+    // event would silently share the empty key (one partition, no order).
+    let key = match v.get("key") {
+        Some(serde_json::Value::String(k)) => k.clone(),
+        other => {
+            return Err(Error::Sink {
+                message: format!(
+                    "an outbox event has no string `key` attribute (found {})",
+                    match other {
+                        None => "none",
+                        Some(serde_json::Value::Null) => "null",
+                        Some(serde_json::Value::Bool(_)) => "a boolean",
+                        Some(serde_json::Value::Number(_)) => "a number",
+                        Some(serde_json::Value::Array(_)) => "an array",
+                        Some(serde_json::Value::Object(_)) => "an object",
+                        Some(serde_json::Value::String(_)) => unreachable!(),
+                    }
+                ),
+                source: None,
+            })
+        }
+    };
     let text = |a: &str| match &v[a] {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Null => None,
@@ -716,5 +737,129 @@ mod tests {
             panic!("{permanent:?}")
         };
         assert_eq!(rejected[0].outbox_id, 3);
+    }
+
+    /// Fuzz properties (see [`skein_common::fuzz`]): no stored event text
+    /// makes the read-back into a Kafka message panic, hang or allocate out
+    /// of proportion; an event skein built maps to the message it stands for.
+    mod fuzz {
+        use proptest::prelude::*;
+        use serde_json::Value;
+        use skein_common::fuzz::{arbitrary_bytes, check, config, mutated};
+        use skein_common::RootKey;
+
+        use super::*;
+        use crate::decide::{Action, Decision};
+        use crate::event::tests::customer_event;
+
+        fn data() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i64>().prop_map(Value::from),
+                "[ -~ü\"\\\\]{0,8}".prop_map(Value::String),
+            ];
+            leaf.prop_recursive(3, 16, 4, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                    prop::collection::btree_map("[a-z]{1,4}", inner, 0..4)
+                        .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        /// An event exactly as the applier builds it for the outbox.
+        fn event() -> impl Strategy<Value = String> {
+            (
+                prop::collection::vec(prop::option::of("[ -~ü]{0,6}"), 1..3),
+                data(),
+                prop::option::of("[0-9a-f]{8}"),
+                any::<i64>(),
+            )
+                .prop_map(|(key, data, etag, time)| {
+                    let d = Decision {
+                        action: if etag.is_some() {
+                            Action::Updated
+                        } else {
+                            Action::Deleted
+                        },
+                        data,
+                        etag,
+                    };
+                    customer_event(&RootKey(key), &d, time).to_string()
+                })
+        }
+
+        const TOKENS: &[&[u8]] = &[
+            b"{",
+            b"}",
+            b"[",
+            b"]",
+            b"\"",
+            b",",
+            b":",
+            b"\\",
+            b"\\u",
+            b"\\ud800",
+            b"null",
+            b"1e999",
+            b"-0",
+            b"\"key\":",
+            b"\"data\":",
+            b"[[[[[[[[[[[[[[[[",
+        ];
+
+        fn run(text: &str) {
+            check("outbox event", text.len(), || {
+                for mode in [EventMode::Structured, EventMode::Binary] {
+                    let _ = kafka_binding(text, mode);
+                }
+            });
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn arbitrary_text_is_a_message_or_an_error(b in arbitrary_bytes(128)) {
+                run(&String::from_utf8_lossy(&b));
+            }
+
+            #[test]
+            fn mutated_events_are_a_message_or_an_error(
+                b in mutated(event().prop_map(String::into_bytes), TOKENS)
+            ) {
+                run(&String::from_utf8_lossy(&b));
+            }
+
+            #[test]
+            fn built_events_map_to_their_message(ev in event()) {
+                let v: Value = serde_json::from_str(&ev).unwrap();
+                let s = kafka_binding(&ev, EventMode::Structured).unwrap();
+                prop_assert_eq!(&s.key, v["key"].as_str().unwrap());
+                prop_assert_eq!(s.value, ev.as_bytes());
+                let b = kafka_binding(&ev, EventMode::Binary).unwrap();
+                prop_assert_eq!(&b.key, &s.key);
+                let data: Value = serde_json::from_slice(&b.value).unwrap();
+                prop_assert_eq!(&data, &v["data"]);
+                let h: std::collections::HashMap<_, _> = b.headers.into_iter().collect();
+                prop_assert_eq!(h["ce_id"].as_str(), v["id"].as_str().unwrap());
+                prop_assert_eq!(h.get("ce_etag").map(String::as_str), v["etag"].as_str());
+            }
+        }
+
+        /// Regression: an event without a string `key` was sent with the
+        /// empty key (all such events on one partition) instead of rejected.
+        #[test]
+        fn an_event_without_a_key_is_rejected() {
+            for ev in [r#"{"id":"e"}"#, r#"{"key":1}"#, "[]", "1"] {
+                let e = kafka_binding(ev, EventMode::Structured)
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("no string `key`"), "{ev}: {e}");
+            }
+            let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+            assert!(kafka_binding(&deep, EventMode::Binary).is_err());
+        }
     }
 }

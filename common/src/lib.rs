@@ -17,6 +17,8 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod failpoint;
+#[cfg(any(test, feature = "fuzz"))]
+pub mod fuzz;
 pub mod json;
 pub mod position;
 pub mod record;

@@ -68,28 +68,45 @@ pub enum Message {
 fn need(buf: &Bytes, n: usize, what: &str) -> Result<()> {
     if buf.remaining() < n {
         return Err(Error::Decode(format!(
-            "pgoutput message truncated while reading {what}"
+            "truncated while reading {what} ({n} bytes needed, {} left)",
+            buf.remaining()
         )));
     }
     Ok(())
+}
+
+/// A count field, refused when negative or when the rest of the message
+/// cannot hold that many items of at least `min_item` bytes, so that a
+/// corrupt count never sizes an allocation.
+fn count(buf: &mut Bytes, what: &str, min_item: usize) -> Result<usize> {
+    need(buf, 2, what)?;
+    let n = buf.get_i16();
+    let n = usize::try_from(n).map_err(|_| Error::Decode(format!("negative {what} {n}")))?;
+    if n.saturating_mul(min_item) > buf.remaining() {
+        return Err(Error::Decode(format!(
+            "{what} {n} does not fit in the {} bytes left",
+            buf.remaining()
+        )));
+    }
+    Ok(n)
 }
 
 fn cstr(buf: &mut Bytes, what: &str) -> Result<String> {
     let end = buf
         .iter()
         .position(|b| *b == 0)
-        .ok_or_else(|| Error::Decode(format!("pgoutput: unterminated string in {what}")))?;
+        .ok_or_else(|| Error::Decode(format!("unterminated string in {what}")))?;
     let s = String::from_utf8(buf.split_to(end).to_vec())
-        .map_err(|_| Error::Decode(format!("pgoutput: {what} is not UTF-8")))?;
+        .map_err(|_| Error::Decode(format!("{what} is not UTF-8")))?;
     buf.advance(1);
     Ok(s)
 }
 
 fn tuple(buf: &mut Bytes) -> Result<Vec<Value>> {
-    need(buf, 2, "tuple column count")?;
-    let n = buf.get_i16();
-    let mut out = Vec::with_capacity(n.max(0) as usize);
-    for _ in 0..n {
+    // Every value takes at least its kind byte.
+    let n = count(buf, "tuple column count", 1)?;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
         need(buf, 1, "tuple value kind")?;
         match buf.get_u8() {
             b'n' => out.push(Value::Null),
@@ -97,18 +114,17 @@ fn tuple(buf: &mut Bytes) -> Result<Vec<Value>> {
             b't' | b'b' => {
                 need(buf, 4, "value length")?;
                 let len = buf.get_i32();
-                if len < 0 {
-                    return Err(Error::Decode("pgoutput: negative value length".into()));
-                }
-                need(buf, len as usize, "value")?;
-                let raw = buf.split_to(len as usize);
+                let len = usize::try_from(len)
+                    .map_err(|_| Error::Decode(format!("column {i}: negative value length")))?;
+                need(buf, len, "value")?;
+                let raw = buf.split_to(len);
                 let s = String::from_utf8(raw.to_vec())
-                    .map_err(|_| Error::Decode("pgoutput: text value is not UTF-8".into()))?;
+                    .map_err(|_| Error::Decode(format!("column {i}: text value is not UTF-8")))?;
                 out.push(Value::Text(s));
             }
             other => {
                 return Err(Error::Decode(format!(
-                    "pgoutput: unknown tuple value kind {:?}",
+                    "column {i}: unknown tuple value kind {:?}",
                     other as char
                 )))
             }
@@ -117,26 +133,47 @@ fn tuple(buf: &mut Bytes) -> Result<Vec<Value>> {
     Ok(out)
 }
 
-/// Decodes one pgoutput message.
+/// Decodes one pgoutput message. An error names the message kind and the
+/// byte offset where decoding stopped.
 pub fn decode(data: &Bytes) -> Result<Message> {
     let mut buf = data.clone();
-    need(&buf, 1, "message tag")?;
+    need(&buf, 1, "message tag").map_err(|e| context(e, "pgoutput", 0))?;
     let tag = buf.get_u8();
+    let kind = match tag {
+        b'R' => "Relation",
+        b'I' => "Insert",
+        b'U' => "Update",
+        b'D' => "Delete",
+        b'T' => "Truncate",
+        _ => "pgoutput",
+    };
+    decode_body(tag, &mut buf).map_err(|e| context(e, kind, data.len() - buf.remaining()))
+}
+
+fn context(e: Error, kind: &str, offset: usize) -> Error {
+    match e {
+        Error::Decode(m) => Error::Decode(format!("pgoutput {kind} message, byte {offset}: {m}")),
+        other => other,
+    }
+}
+
+fn decode_body(tag: u8, buf: &mut Bytes) -> Result<Message> {
     match tag {
         b'R' => {
-            need(&buf, 4, "relation id")?;
+            need(buf, 4, "relation id")?;
             let oid = buf.get_u32();
-            let schema = cstr(&mut buf, "relation namespace")?;
-            let table = cstr(&mut buf, "relation name")?;
-            need(&buf, 3, "relation header")?;
+            let schema = cstr(buf, "relation namespace")?;
+            let table = cstr(buf, "relation name")?;
+            need(buf, 1, "replica identity")?;
             let _identity = buf.get_u8();
-            let n = buf.get_i16();
-            let mut columns = Vec::with_capacity(n.max(0) as usize);
+            // A column is at least flags, an empty name and type oid + typmod.
+            let n = count(buf, "relation column count", 10)?;
+            let mut columns = Vec::with_capacity(n);
             for _ in 0..n {
-                need(&buf, 1, "column flags")?;
+                need(buf, 1, "column flags")?;
                 let flags = buf.get_u8();
-                let name = cstr(&mut buf, "column name")?;
-                need(&buf, 8, "column type")?;
+                let name = cstr(buf, "column name")?;
+                need(buf, 8, "column type")?;
                 let type_oid = buf.get_u32();
                 let _typmod = buf.get_i32();
                 columns.push(RelColumn {
@@ -153,50 +190,50 @@ pub fn decode(data: &Bytes) -> Result<Message> {
             }))
         }
         b'I' => {
-            need(&buf, 5, "insert header")?;
+            need(buf, 5, "insert header")?;
             let oid = buf.get_u32();
             let _n = buf.get_u8();
             Ok(Message::Insert {
                 oid,
-                new: tuple(&mut buf)?,
+                new: tuple(buf)?,
             })
         }
         b'U' => {
-            need(&buf, 5, "update header")?;
+            need(buf, 5, "update header")?;
             let oid = buf.get_u32();
             let mut kind = buf.get_u8();
             let mut old = None;
             if kind == b'K' || kind == b'O' {
-                old = Some(tuple(&mut buf)?);
-                need(&buf, 1, "update new tuple")?;
+                old = Some(tuple(buf)?);
+                need(buf, 1, "update new tuple")?;
                 kind = buf.get_u8();
             }
             if kind != b'N' {
                 return Err(Error::Decode(format!(
-                    "pgoutput: update without new tuple (got {:?})",
+                    "update without new tuple (got {:?})",
                     kind as char
                 )));
             }
             Ok(Message::Update {
                 oid,
                 old,
-                new: tuple(&mut buf)?,
+                new: tuple(buf)?,
             })
         }
         b'D' => {
-            need(&buf, 5, "delete header")?;
+            need(buf, 5, "delete header")?;
             let oid = buf.get_u32();
             let _kind = buf.get_u8();
             Ok(Message::Delete {
                 oid,
-                old: tuple(&mut buf)?,
+                old: tuple(buf)?,
             })
         }
         b'T' => {
-            need(&buf, 5, "truncate header")?;
-            let n = buf.get_u32();
+            need(buf, 5, "truncate header")?;
+            let n = buf.get_u32() as usize;
             let _opts = buf.get_u8();
-            need(&buf, 4 * n as usize, "truncate relations")?;
+            need(buf, n.saturating_mul(4), "truncate relations")?;
             let oids = (0..n).map(|_| buf.get_u32()).collect();
             Ok(Message::Truncate { oids })
         }
@@ -382,6 +419,207 @@ pub(crate) mod tests {
             b"T\xff\xff\xff\xff\0",
         ] {
             assert!(decode(&Bytes::copy_from_slice(bad)).is_err(), "{bad:?}");
+        }
+    }
+
+    /// Fuzz properties (see [`skein_common::fuzz`]): no bytes make the
+    /// decoder or the image building panic, hang or allocate out of
+    /// proportion; what the encoder below writes decodes to itself.
+    mod fuzz {
+        use proptest::prelude::*;
+        use skein_common::fuzz::{arbitrary_bytes, check, config, mutated};
+
+        use super::*;
+
+        /// pgoutput as PostgreSQL writes it (the subset skein decodes).
+        pub fn encode(m: &Message) -> Bytes {
+            let mut b = BytesMut::new();
+            let tuple = |b: &mut BytesMut, vals: &[Value]| {
+                b.put_i16(vals.len() as i16);
+                for v in vals {
+                    match v {
+                        Value::Null => b.put_u8(b'n'),
+                        Value::Unchanged => b.put_u8(b'u'),
+                        Value::Text(s) => {
+                            b.put_u8(b't');
+                            b.put_i32(s.len() as i32);
+                            b.put_slice(s.as_bytes());
+                        }
+                    }
+                }
+            };
+            match m {
+                Message::Relation(r) => {
+                    let cols: Vec<_> = r
+                        .columns
+                        .iter()
+                        .map(|c| (c.name.as_str(), c.is_key))
+                        .collect();
+                    return relation_bytes(r.oid, &r.schema, &r.table, &cols);
+                }
+                Message::Insert { oid, new } => {
+                    b.put_u8(b'I');
+                    b.put_u32(*oid);
+                    b.put_u8(b'N');
+                    tuple(&mut b, new);
+                }
+                Message::Update { oid, old, new } => {
+                    b.put_u8(b'U');
+                    b.put_u32(*oid);
+                    if let Some(old) = old {
+                        b.put_u8(b'O');
+                        tuple(&mut b, old);
+                    }
+                    b.put_u8(b'N');
+                    tuple(&mut b, new);
+                }
+                Message::Delete { oid, old } => {
+                    b.put_u8(b'D');
+                    b.put_u32(*oid);
+                    b.put_u8(b'K');
+                    tuple(&mut b, old);
+                }
+                Message::Truncate { oids } => {
+                    b.put_u8(b'T');
+                    b.put_u32(oids.len() as u32);
+                    b.put_u8(0);
+                    for o in oids {
+                        b.put_u32(*o);
+                    }
+                }
+                Message::Other(t) => b.put_u8(*t),
+            }
+            b.freeze()
+        }
+
+        fn name() -> impl Strategy<Value = String> {
+            "[a-zü_]{0,8}"
+        }
+
+        fn values() -> impl Strategy<Value = Vec<Value>> {
+            prop::collection::vec(
+                prop_oneof![
+                    Just(Value::Null),
+                    Just(Value::Unchanged),
+                    "[ -~ü✓]{0,12}".prop_map(Value::Text),
+                ],
+                0..6,
+            )
+        }
+
+        fn message() -> impl Strategy<Value = Message> {
+            prop_oneof![
+                (
+                    any::<u32>(),
+                    name(),
+                    name(),
+                    prop::collection::vec((name(), any::<bool>()), 0..6)
+                )
+                    .prop_map(|(oid, schema, table, cols)| {
+                        Message::Relation(Relation {
+                            oid,
+                            schema,
+                            table,
+                            columns: cols
+                                .into_iter()
+                                .map(|(name, is_key)| RelColumn {
+                                    name,
+                                    is_key,
+                                    // What `relation_bytes` writes.
+                                    type_oid: 23,
+                                })
+                                .collect(),
+                        })
+                    }),
+                (any::<u32>(), values()).prop_map(|(oid, new)| Message::Insert { oid, new }),
+                (any::<u32>(), prop::option::of(values()), values())
+                    .prop_map(|(oid, old, new)| Message::Update { oid, old, new }),
+                (any::<u32>(), values()).prop_map(|(oid, old)| Message::Delete { oid, old }),
+                prop::collection::vec(any::<u32>(), 0..5)
+                    .prop_map(|oids| Message::Truncate { oids }),
+                prop::sample::select(&b"BCOYM"[..]).prop_map(Message::Other),
+            ]
+        }
+
+        const TOKENS: &[&[u8]] = &[
+            b"R", b"I", b"U", b"D", b"T", b"N", b"K", b"O", b"n", b"u", b"t", b"b", b"\0",
+        ];
+
+        /// Decodes, and builds images the way the extractor does for every
+        /// relation in the same input.
+        fn run(bytes: &[u8]) {
+            check("pgoutput", bytes.len(), || {
+                let m = decode(&Bytes::copy_from_slice(bytes));
+                let rel = Relation {
+                    oid: 1,
+                    schema: "s".into(),
+                    table: "t".into(),
+                    columns: ["a", "b", "c"]
+                        .map(|n| RelColumn {
+                            name: n.into(),
+                            is_key: n == "a",
+                            type_oid: 25,
+                        })
+                        .into(),
+                };
+                match m {
+                    Ok(Message::Insert { new, .. }) => drop(image(&rel, &new)),
+                    Ok(Message::Update { old, new, .. }) => {
+                        drop(after_image(&rel, old.as_deref(), &new))
+                    }
+                    Ok(Message::Delete { old, .. }) => drop(image(&rel, &old)),
+                    Ok(Message::Relation(r)) => drop(image(&r, &vec![Value::Null; 4])),
+                    _ => {}
+                }
+            });
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn arbitrary_bytes_are_ok_or_an_error(b in arbitrary_bytes(64)) {
+                run(&b);
+            }
+
+            #[test]
+            fn mutated_messages_are_ok_or_an_error(
+                b in mutated(message().prop_map(|m| encode(&m).to_vec()), TOKENS)
+            ) {
+                run(&b);
+            }
+
+            #[test]
+            fn messages_round_trip(m in message()) {
+                prop_assert_eq!(decode(&encode(&m)).unwrap(), m);
+            }
+        }
+
+        /// Regression: a column count of 32,767 with nothing after it used
+        /// to reserve room for 32,767 columns (~1 MiB) before reading one.
+        #[test]
+        fn a_huge_column_count_is_refused_before_allocating() {
+            for bad in [&b"I\0\0\0\x07N\x7f\xff"[..], b"R\0\0\0\x01s\0t\0d\x7f\xffx"] {
+                let e = check("pgoutput", bad.len(), || {
+                    decode(&Bytes::copy_from_slice(bad)).unwrap_err()
+                });
+                assert!(e.to_string().contains("does not fit"), "{e}");
+            }
+        }
+
+        /// Regression: a negative column count read as an empty tuple.
+        #[test]
+        fn a_negative_column_count_is_an_error() {
+            let e = decode(&Bytes::from_static(b"D\0\0\0\x07K\xff\xff")).unwrap_err();
+            assert!(e.to_string().contains("negative tuple column count"), "{e}");
+        }
+
+        #[test]
+        fn errors_name_the_message_and_the_offset() {
+            let e = decode(&Bytes::from_static(b"I\0\0\0\x07N\0\x01t\0\0\0\x09ab")).unwrap_err();
+            let e = e.to_string();
+            assert!(e.contains("Insert message, byte 13"), "{e}");
+            assert!(e.contains("value"), "{e}");
         }
     }
 }

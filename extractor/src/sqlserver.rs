@@ -85,6 +85,33 @@ pub enum CdcError {
     },
 }
 
+/// One row of a change query: `__$start_lsn`, `__$seqval`,
+/// `__$operation`, then the captured columns. `instance` names the capture
+/// instance in errors.
+pub fn cdc_row(instance: &str, mut r: Vec<SqlValue>) -> Result<CdcRow> {
+    if r.len() < 3 {
+        return Err(Error::Decode(format!(
+            "{instance}: a change row has {} columns, expected at least 3 \
+             (__$start_lsn, __$seqval, __$operation)",
+            r.len()
+        )));
+    }
+    let values = r.split_off(3);
+    let at = |e: Error| match e {
+        Error::Decode(m) => Error::Decode(format!("{instance}: {m}")),
+        other => other,
+    };
+    let operation = int_of(&r[2], "__$operation").map_err(at)?;
+    Ok(CdcRow {
+        start_lsn: lsn_of(&r[0], "__$start_lsn").map_err(at)?,
+        seqval: lsn_of(&r[1], "__$seqval").map_err(at)?,
+        operation: i32::try_from(operation).map_err(|_| {
+            Error::Decode(format!("{instance}: __$operation {operation} out of range"))
+        })?,
+        values,
+    })
+}
+
 /// Pairs rows (ordered by LSN, seqval, operation, as the change query
 /// returns them) into changes: 3 then 4 with the same LSN and seqval make
 /// one update.
@@ -645,23 +672,10 @@ impl MssqlSource {
                     &[&from.0.to_vec(), &upper.0.to_vec()],
                 )
                 .await?;
-            let mut cdc = Vec::with_capacity(rows.len());
-            for mut r in rows {
-                if r.len() < 3 {
-                    return Err(Error::Decode(format!(
-                        "short change row from {}",
-                        inst.name
-                    )));
-                }
-                let values = r.split_off(3);
-                cdc.push(CdcRow {
-                    start_lsn: lsn_of(&r[0], "__$start_lsn")?,
-                    seqval: lsn_of(&r[1], "__$seqval")?,
-                    operation: i32::try_from(int_of(&r[2], "__$operation")?)
-                        .map_err(|_| Error::Decode("__$operation out of range".into()))?,
-                    values,
-                });
-            }
+            let cdc = rows
+                .into_iter()
+                .map(|r| cdc_row(&inst.name, r))
+                .collect::<Result<Vec<_>>>()?;
             let changes = pair(cdc).map_err(|e| Error::Decode(format!("{}: {e}", inst.name)))?;
             all.extend(changes.into_iter().map(|c| (ii, c)));
         }
@@ -1149,5 +1163,210 @@ mod tests {
         assert_eq!(tx_id_of(&[0, 0, 0, 0, 0, 0, 0, 0, 0x01, 0x02]), 0x0102);
         assert_eq!(tx_id_of(&[0xFF, 0xFF, 0, 0, 0, 0, 0, 0, 0, 1]), 1);
         assert_eq!(tx_id_of(&[]), 0);
+    }
+
+    /// Fuzz properties (see [`skein_common::fuzz`]): no change rows, as
+    /// the driver hands them over or as a broken capture could order
+    /// them, make row decoding, pairing or grouping panic, hang or
+    /// allocate out of proportion; pairing undoes what the change query's
+    /// row order does to a change list.
+    mod fuzz {
+        use proptest::prelude::*;
+        use proptest::sample::Index;
+        use skein_common::fuzz::{check, config};
+
+        use super::*;
+
+        fn cell() -> impl Strategy<Value = SqlValue> {
+            prop_oneof![
+                Just(SqlValue::Null),
+                (-2i64..8).prop_map(SqlValue::Int),
+                any::<i64>().prop_map(SqlValue::Int),
+                prop::collection::vec(any::<u8>(), 0..12).prop_map(SqlValue::Binary),
+                any::<[u8; 10]>().prop_map(|b| SqlValue::Binary(b.to_vec())),
+                "[a-z]{0,4}".prop_map(SqlValue::Text),
+            ]
+        }
+
+        fn instance() -> Instance {
+            Instance {
+                schema: "dbo".into(),
+                table: "t".into(),
+                name: "dbo_t".into(),
+                columns: vec!["id".into(), "parent_id".into()],
+            }
+        }
+
+        /// Decodes rows, pairs and groups them as a batch read does.
+        fn run(rows: Vec<Vec<SqlValue>>) {
+            let size: usize = rows.iter().map(|r| 16 * (r.len() + 1)).sum();
+            check("CDC rows", size, || {
+                let Ok(rows) = rows
+                    .into_iter()
+                    .map(|r| cdc_row("dbo_t", r))
+                    .collect::<Result<Vec<_>>>()
+                else {
+                    return;
+                };
+                if let Ok(changes) = pair(rows) {
+                    let changes: Vec<_> = changes.into_iter().map(|c| (0, c)).collect();
+                    let _ = transactions(&[instance()], &changes);
+                }
+            });
+        }
+
+        fn change() -> impl Strategy<Value = CdcChange> {
+            let image = || prop::collection::vec(cell(), 0..3);
+            (0u64..4, 0u64..4, 0..3, image(), image()).prop_map(|(l, q, op, b, a)| {
+                let (op, before, after) = match op {
+                    0 => (CdcOp::Insert, None, Some(a)),
+                    1 => (CdcOp::Delete, Some(b), None),
+                    _ => (CdcOp::Update, Some(b), Some(a)),
+                };
+                CdcChange {
+                    start_lsn: lsn(l),
+                    seqval: lsn(q),
+                    op,
+                    before,
+                    after,
+                }
+            })
+        }
+
+        /// The rows the change query returns for `changes`.
+        fn unpair(changes: &[CdcChange]) -> Vec<Vec<SqlValue>> {
+            let row = |c: &CdcChange, op: i64, v: &Option<Vec<SqlValue>>| {
+                let mut r = vec![
+                    SqlValue::Binary(c.start_lsn.0.to_vec()),
+                    SqlValue::Binary(c.seqval.0.to_vec()),
+                    SqlValue::Int(op),
+                ];
+                r.extend(v.clone().unwrap_or_default());
+                r
+            };
+            changes
+                .iter()
+                .flat_map(|c| match c.op {
+                    CdcOp::Insert => vec![row(c, 2, &c.after)],
+                    CdcOp::Delete => vec![row(c, 1, &c.before)],
+                    CdcOp::Update => vec![row(c, 3, &c.before), row(c, 4, &c.after)],
+                })
+                .collect()
+        }
+
+        /// One edit of a valid row list: what a reordered, cut or corrupt
+        /// result set looks like.
+        #[derive(Clone, Debug)]
+        enum Edit {
+            Remove(Index),
+            Duplicate(Index),
+            Swap(Index),
+            Cell(Index, Index, SqlValue),
+            Truncate(Index, Index),
+        }
+
+        fn edit() -> impl Strategy<Value = Edit> {
+            prop_oneof![
+                any::<Index>().prop_map(Edit::Remove),
+                any::<Index>().prop_map(Edit::Duplicate),
+                any::<Index>().prop_map(Edit::Swap),
+                (any::<Index>(), any::<Index>(), cell()).prop_map(|(r, c, v)| Edit::Cell(r, c, v)),
+                (any::<Index>(), any::<Index>()).prop_map(|(r, n)| Edit::Truncate(r, n)),
+            ]
+        }
+
+        fn apply(rows: &mut Vec<Vec<SqlValue>>, edits: &[Edit]) {
+            for e in edits {
+                let n = rows.len();
+                if n == 0 {
+                    return;
+                }
+                match e {
+                    Edit::Remove(i) => {
+                        rows.remove(i.index(n));
+                    }
+                    Edit::Duplicate(i) => {
+                        let r = rows[i.index(n)].clone();
+                        rows.insert(i.index(n), r);
+                    }
+                    Edit::Swap(i) => rows.swap(i.index(n), (i.index(n) + 1) % n),
+                    Edit::Cell(r, c, v) => {
+                        let row = &mut rows[r.index(n)];
+                        if !row.is_empty() {
+                            let c = c.index(row.len());
+                            row[c] = v.clone();
+                        }
+                    }
+                    Edit::Truncate(r, k) => {
+                        let row = &mut rows[r.index(n)];
+                        row.truncate(k.index(row.len() + 1));
+                    }
+                }
+            }
+        }
+
+        fn sorted(mut c: Vec<CdcChange>) -> Vec<CdcChange> {
+            c.sort_by_key(|c| (c.start_lsn, c.seqval));
+            c.dedup_by_key(|c| (c.start_lsn, c.seqval));
+            c
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn arbitrary_rows_are_paired_or_an_error(
+                rows in prop::collection::vec(prop::collection::vec(cell(), 0..6), 0..8)
+            ) {
+                run(rows);
+            }
+
+            #[test]
+            fn edited_change_lists_are_paired_or_an_error(
+                changes in prop::collection::vec(change(), 0..6),
+                edits in prop::collection::vec(edit(), 1..4),
+            ) {
+                let mut rows = unpair(&sorted(changes));
+                apply(&mut rows, &edits);
+                run(rows);
+            }
+
+            #[test]
+            fn pairing_undoes_the_row_order(changes in prop::collection::vec(change(), 0..6)) {
+                let changes = sorted(changes);
+                let rows = unpair(&changes)
+                    .into_iter()
+                    .map(|r| cdc_row("dbo_t", r))
+                    .collect::<Result<Vec<_>>>()
+                    .unwrap();
+                prop_assert_eq!(pair(rows).unwrap(), changes);
+            }
+        }
+
+        #[test]
+        fn row_errors_name_the_instance_and_the_column() {
+            let e = cdc_row("dbo_t", vec![SqlValue::Null])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("dbo_t") && e.contains("1 columns"), "{e}");
+            let e = cdc_row(
+                "dbo_t",
+                vec![
+                    SqlValue::Binary(vec![1, 2]),
+                    SqlValue::Null,
+                    SqlValue::Int(2),
+                ],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("dbo_t: __$start_lsn"), "{e}");
+            let e = cdc_row(
+                "dbo_t",
+                vec![SqlValue::Null, SqlValue::Null, SqlValue::Int(1 << 40)],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("dbo_t: __$operation 1099511627776"), "{e}");
+        }
     }
 }

@@ -380,15 +380,19 @@ impl Sidecar for PgSidecar {
         if rows.is_empty() {
             return Ok(0);
         }
-        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-        let events: Vec<SinkEvent> = rows
+        // `try_get`: a column of another type (a hand-altered outbox) is an
+        // error naming the row, not a panic in the relay.
+        let events = rows
             .iter()
-            .map(|r| SinkEvent {
-                outbox_id: r.get(0),
-                entity: r.get(1),
-                event: r.get(2),
+            .map(|r| {
+                Ok(SinkEvent {
+                    outbox_id: r.try_get(0).map_err(db("reading an outbox row's id"))?,
+                    entity: r.try_get(1).map_err(db("reading an outbox row's entity"))?,
+                    event: r.try_get(2).map_err(db("reading an outbox row's event"))?,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
         super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");
         tx.execute(&sc::relay_mark_sql(s), &[&ids])

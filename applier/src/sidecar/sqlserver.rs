@@ -86,6 +86,48 @@ async fn progress_query(
 }
 
 /// A progress row: position (text), source_commit, source_seq, epoch.
+/// One outbox row as the relay query reads it back (`id`, `entity`,
+/// `event`), for the sink.
+pub(crate) fn outbox_event(r: &[SqlValue]) -> Result<SinkEvent> {
+    match r {
+        [SqlValue::Int(id), SqlValue::Text(entity), SqlValue::Text(event), ..] => Ok(SinkEvent {
+            outbox_id: *id,
+            entity: entity.clone(),
+            event: event.clone(),
+        }),
+        _ => Err(Error::Data(format!(
+            "an outbox row read back is not (id bigint, entity text, event text): {}",
+            describe(r)
+        ))),
+    }
+}
+
+/// The types of a row's cells and the outbox id if there is one, never
+/// the values (an event is a payload, not for logs).
+fn describe(r: &[SqlValue]) -> String {
+    let kinds: Vec<String> = r
+        .iter()
+        .map(|v| {
+            match v {
+                SqlValue::Int(i) => return format!("int {i}"),
+                SqlValue::Null => "null",
+                SqlValue::Float(_) => "float",
+                SqlValue::Decimal { .. } => "decimal",
+                SqlValue::Bit(_) => "bit",
+                SqlValue::Text(_) => "text",
+                SqlValue::DateTime(_) => "datetime",
+                SqlValue::DateTimeOffset(_) => "datetimeoffset",
+                SqlValue::Date(_) => "date",
+                SqlValue::Time(_) => "time",
+                SqlValue::Guid(_) => "uniqueidentifier",
+                SqlValue::Binary(_) => "binary",
+            }
+            .to_string()
+        })
+        .collect();
+    format!("({})", kinds.join(", "))
+}
+
 fn progress_row(r: &[SqlValue]) -> Result<Progress> {
     let int = |i: usize| match r.get(i) {
         Some(SqlValue::Int(s)) => Some(*s),
@@ -478,24 +520,11 @@ impl Sidecar for MssqlSidecar {
             tx.rollback().await;
             return Ok(0);
         }
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut events = Vec::with_capacity(rows.len());
-        for r in rows {
-            let (
-                Some(SqlValue::Int(id)),
-                Some(SqlValue::Text(entity)),
-                Some(SqlValue::Text(event)),
-            ) = (r.first(), r.get(1), r.get(2))
-            else {
-                return Err(Error::Data(format!("unexpected outbox row {r:?}")));
-            };
-            ids.push(*id);
-            events.push(SinkEvent {
-                outbox_id: *id,
-                entity: entity.clone(),
-                event: event.clone(),
-            });
-        }
+        let events = rows
+            .iter()
+            .map(|r| outbox_event(r))
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
         super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");
         tx.execute(
@@ -556,5 +585,55 @@ impl Sidecar for MssqlSidecar {
                 updated_at: text(r.get(4)).unwrap_or_default(),
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use skein_common::fuzz::{check, config};
+
+    use super::*;
+
+    fn cell() -> impl Strategy<Value = SqlValue> {
+        prop_oneof![
+            Just(SqlValue::Null),
+            any::<i64>().prop_map(SqlValue::Int),
+            any::<String>().prop_map(SqlValue::Text),
+            any::<f64>().prop_map(SqlValue::Float),
+            prop::collection::vec(any::<u8>(), 0..8).prop_map(SqlValue::Binary),
+            any::<bool>().prop_map(SqlValue::Bit),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Fuzz (see [`skein_common::fuzz`]): any row read back is an
+        /// event or an error, never a panic.
+        #[test]
+        fn any_outbox_row_is_an_event_or_an_error(r in prop::collection::vec(cell(), 0..5)) {
+            let size = format!("{r:?}").len();
+            check("outbox row", size, || drop(outbox_event(&r)));
+        }
+
+        #[test]
+        fn outbox_rows_read_back_as_written(id in any::<i64>(), entity in ".{0,8}", event in ".{0,32}") {
+            let r = [SqlValue::Int(id), SqlValue::Text(entity.clone()), SqlValue::Text(event.clone())];
+            prop_assert_eq!(outbox_event(&r).unwrap(), SinkEvent { outbox_id: id, entity, event });
+        }
+    }
+
+    #[test]
+    fn a_bad_outbox_row_names_its_types_not_its_values() {
+        let e = outbox_event(&[
+            SqlValue::Int(7),
+            SqlValue::Null,
+            SqlValue::Text("secret".into()),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("(int 7, null, text)"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
     }
 }

@@ -679,4 +679,119 @@ entities:
         let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
         assert!(e.contains("identifier_mapping"), "{e}");
     }
+
+    /// Fuzz properties (see [`crate::fuzz`]): no YAML text makes parsing
+    /// and validation panic, hang or allocate out of proportion.
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+        use crate::fuzz::{arbitrary_bytes, check, config, mutated};
+
+        /// Valid configs to mutate: the unit-test sample and the examples.
+        const VALID: &[&str] = &[
+            SAMPLE,
+            include_str!("../../../examples/quickstart/skein.yaml"),
+            include_str!("../../../examples/kafka/skein.yaml"),
+            include_str!("../../../examples/sqlserver/skein.yaml"),
+        ];
+
+        /// YAML and skein vocabulary the mutations insert.
+        const TOKENS: &[&[u8]] = &[
+            b"\n",
+            b"  ",
+            b"- ",
+            b": ",
+            b"{",
+            b"}",
+            b"[",
+            b"]",
+            b",",
+            b"#",
+            b"'",
+            b"\"",
+            b"&a ",
+            b"*a",
+            b"<<: *a\n",
+            b"!!str ",
+            b"!!binary ",
+            b"? ",
+            b"|\n",
+            b">-\n",
+            b"~",
+            b"-1",
+            b"0",
+            b"99999999999999999999999",
+            b"1e400",
+            b".nan",
+            b"\t",
+            b"${X}",
+            b"$${",
+            b"${",
+            b"\xef\xbb\xbf",
+            b"\r\n",
+            b"---\n",
+            b"...\n",
+            b"entities:",
+            b"joins:",
+            b"join_to: ",
+            b"on: ",
+            b"name: ",
+            b"table: ",
+            b"partitions: ",
+            b"kind: kafka",
+            b"kind: sqlserver",
+            b"sink: ",
+            b"transport: ",
+            b"source: ",
+            b"retention_warn_fraction: ",
+        ];
+
+        fn parse(text: &str) {
+            check("config", text.len(), || {
+                let expanded = expand_env(text, "f.yaml", |n| (n == "X").then(|| "x".into()));
+                let _ = expanded.map(|t| Config::from_yaml(&t, "f.yaml"));
+            });
+        }
+
+        fn valid() -> impl Strategy<Value = Vec<u8>> {
+            prop::sample::select(VALID).prop_map(|s| s.as_bytes().to_vec())
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn arbitrary_text_is_ok_or_an_error(b in arbitrary_bytes(512)) {
+                parse(&String::from_utf8_lossy(&b));
+            }
+
+            #[test]
+            fn mutated_configs_are_ok_or_an_error(b in mutated(valid(), TOKENS)) {
+                parse(&String::from_utf8_lossy(&b));
+            }
+        }
+
+        #[test]
+        fn the_examples_are_valid_configs() {
+            for v in VALID {
+                let t = expand_env(v, "f.yaml", |_| Some("x".into())).unwrap();
+                Config::from_yaml(&t, "f.yaml").unwrap();
+            }
+        }
+
+        #[test]
+        fn alias_expansion_bomb_is_an_error() {
+            let mut text = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n");
+            for i in 1..12 {
+                let p = i - 1;
+                text.push_str(&format!(
+                    "a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"
+                ));
+            }
+            check("config", text.len(), || {
+                assert!(Config::from_yaml(&text, "f.yaml").is_err());
+            });
+        }
+    }
 }

@@ -311,4 +311,86 @@ mod tests {
             assert_eq!(decode("c", &n).unwrap().to_text(), None);
         }
     }
+
+    /// Fuzz properties (see [`skein_common::fuzz`]): no cell the driver
+    /// can hand over (any value of each TDS type's fields, not only the
+    /// ones SQL Server produces) makes decoding, or the text and JSON built
+    /// from the value, panic or hang.
+    mod fuzz {
+        use proptest::prelude::*;
+        use skein_common::fuzz::{check, config};
+
+        use super::*;
+
+        /// Days fit in the 3 bytes of TDS `date`.
+        fn days() -> impl Strategy<Value = u32> {
+            prop_oneof![0u32..1 << 24, Just((1 << 24) - 1), Just(3_652_058), Just(0)]
+        }
+
+        fn time() -> impl Strategy<Value = Time> {
+            (any::<u64>(), prop_oneof![0u8..=7, any::<u8>()]).prop_map(|(i, s)| Time::new(i, s))
+        }
+
+        fn datetime2() -> impl Strategy<Value = DateTime2> {
+            (days(), time()).prop_map(|(d, t)| DateTime2::new(Date::new(d), t))
+        }
+
+        fn cell() -> impl Strategy<Value = ColumnData<'static>> {
+            prop_oneof![
+                prop::option::of(any::<u8>()).prop_map(ColumnData::U8),
+                prop::option::of(any::<i16>()).prop_map(ColumnData::I16),
+                prop::option::of(any::<i32>()).prop_map(ColumnData::I32),
+                prop::option::of(any::<i64>()).prop_map(ColumnData::I64),
+                prop::option::of(any::<f32>()).prop_map(ColumnData::F32),
+                prop::option::of(any::<f64>()).prop_map(ColumnData::F64),
+                prop::option::of(any::<bool>()).prop_map(ColumnData::Bit),
+                prop::option::of(any::<String>())
+                    .prop_map(|s| ColumnData::String(s.map(Cow::Owned))),
+                prop::option::of(any::<[u8; 16]>())
+                    .prop_map(|b| ColumnData::Guid(b.map(Uuid::from_bytes))),
+                prop::option::of(prop::collection::vec(any::<u8>(), 0..64))
+                    .prop_map(|b| ColumnData::Binary(b.map(Cow::Owned))),
+                prop::option::of((any::<i128>(), 0u8..=Numeric::MAX_NUMERIC_SCALE)).prop_map(|n| {
+                    ColumnData::Numeric(n.map(|(v, s)| Numeric::new_with_scale(v, s)))
+                }),
+                prop::option::of(any::<String>())
+                    .prop_map(|s| ColumnData::Xml(s.map(|s| Cow::Owned(XmlData::new(s))))),
+                prop::option::of((any::<i32>(), any::<u32>()))
+                    .prop_map(|d| ColumnData::DateTime(d.map(|(a, b)| DateTime::new(a, b)))),
+                prop::option::of((any::<u16>(), any::<u16>())).prop_map(|d| {
+                    ColumnData::SmallDateTime(d.map(|(a, b)| SmallDateTime::new(a, b)))
+                }),
+                prop::option::of(days()).prop_map(|d| ColumnData::Date(d.map(Date::new))),
+                prop::option::of(time()).prop_map(ColumnData::Time),
+                prop::option::of(datetime2()).prop_map(ColumnData::DateTime2),
+                prop::option::of((datetime2(), any::<i16>())).prop_map(|d| {
+                    ColumnData::DateTimeOffset(d.map(|(dt, o)| DateTimeOffset::new(dt, o)))
+                }),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn every_cell_decodes_or_is_an_error_naming_its_column(c in cell()) {
+                let size = format!("{c:?}").len();
+                check("TDS cell", size, || match decode("col", &c) {
+                    Ok(v) => {
+                        let _ = (v.to_text(), v.to_json());
+                    }
+                    Err(e) => assert_eq!(e.column, "col"),
+                });
+            }
+
+            #[test]
+            fn text_and_ints_decode_to_themselves(s in any::<String>(), i in any::<i64>()) {
+                prop_assert_eq!(
+                    decode("c", &ColumnData::String(Some(Cow::Borrowed(&s)))).unwrap(),
+                    SqlValue::Text(s)
+                );
+                prop_assert_eq!(decode("c", &ColumnData::I64(Some(i))).unwrap(), SqlValue::Int(i));
+            }
+        }
+    }
 }

@@ -193,6 +193,12 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
         FORMAT_V3 => &SCHEMA_V3,
         _ => return Err(format!("unknown format byte {format}")),
     };
+    Walk {
+        total: body.len(),
+        buf: body,
+    }
+    .datum(schema)
+    .map_err(|e| format!("not a skein change record: {e}"))?;
     let value = apache_avro::from_avro_datum(schema, &mut body, None)
         .map_err(|e| format!("not a skein change record: {e}"))?;
     if !body.is_empty() {
@@ -215,6 +221,105 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
         has_data_loss,
         record,
     })
+}
+
+/// Walks a datum without building it, checking that every length and count
+/// it declares fits in the bytes left. apache-avro sizes a string's buffer
+/// and an array's vector from those fields before reading (anything up to
+/// its 512 MiB limit), so without this a few corrupt bytes on the topic
+/// make an applier ask for gigabytes. Covers the types the envelope
+/// schemas use; an array item takes at least one byte in both (a union).
+struct Walk<'a> {
+    total: usize,
+    buf: &'a [u8],
+}
+
+impl Walk<'_> {
+    fn fail(&self, what: &str) -> String {
+        format!("byte {}: {what}", self.total - self.buf.len())
+    }
+
+    fn long(&mut self, what: &str) -> std::result::Result<i64, String> {
+        let mut n = 0u64;
+        for i in 0..10 {
+            let Some((&b, rest)) = self.buf.split_first() else {
+                return Err(self.fail(&format!("truncated {what}")));
+            };
+            self.buf = rest;
+            n |= u64::from(b & 0x7f) << (7 * i);
+            if b & 0x80 == 0 {
+                return Ok((n >> 1) as i64 ^ -((n & 1) as i64));
+            }
+        }
+        Err(self.fail(&format!("{what} is longer than 10 bytes")))
+    }
+
+    /// A length or count that must fit in what is left.
+    fn len(&mut self, what: &str) -> std::result::Result<usize, String> {
+        let n = self.long(what)?;
+        match usize::try_from(n) {
+            Ok(n) if n <= self.buf.len() => Ok(n),
+            _ => Err(self.fail(&format!(
+                "{what} {n} does not fit in the {} bytes left",
+                self.buf.len()
+            ))),
+        }
+    }
+
+    fn datum(&mut self, schema: &Schema) -> std::result::Result<(), String> {
+        match schema {
+            Schema::Null => {}
+            Schema::Boolean => {
+                let Some((_, rest)) = self.buf.split_first() else {
+                    return Err(self.fail("truncated boolean"));
+                };
+                self.buf = rest;
+            }
+            Schema::Int | Schema::Long | Schema::Enum(_) => {
+                self.long("integer")?;
+            }
+            Schema::String | Schema::Bytes => {
+                let n = self.len("string length")?;
+                self.buf = &self.buf[n..];
+            }
+            Schema::Union(u) => {
+                let i = self.long("union index")?;
+                let v = usize::try_from(i)
+                    .ok()
+                    .and_then(|i| u.variants().get(i))
+                    .ok_or_else(|| self.fail(&format!("union index {i} out of range")))?;
+                self.datum(v)?;
+            }
+            Schema::Array(a) => loop {
+                let mut n = self.long("array block count")?;
+                if n == 0 {
+                    break;
+                }
+                if n < 0 {
+                    // A negative count is followed by the block's size in bytes.
+                    n = n.checked_neg().unwrap_or(i64::MAX);
+                    self.long("array block size")?;
+                }
+                if usize::try_from(n).map_or(true, |n| n > self.buf.len()) {
+                    return Err(self.fail(&format!(
+                        "array block of {n} items does not fit in the {} bytes left",
+                        self.buf.len()
+                    )));
+                }
+                for _ in 0..n {
+                    self.datum(&a.items)?;
+                }
+            },
+            Schema::Record(r) => {
+                for f in &r.fields {
+                    self.datum(&f.schema)
+                        .map_err(|e| format!("field `{}`: {e}", f.name))?;
+                }
+            }
+            other => return Err(format!("schema type {other:?} is not walked")),
+        }
+        Ok(())
+    }
 }
 
 fn record_fields(v: Value) -> std::result::Result<BTreeMap<String, Value>, String> {
@@ -425,5 +530,177 @@ mod tests {
         });
         ok.push(0);
         assert!(decode(&ok).unwrap_err().contains("trailing"));
+    }
+
+    /// Fuzz properties (see [`skein_common::fuzz`]): no bytes make the
+    /// envelope decoder panic, hang or allocate out of proportion, in
+    /// either format; every envelope round-trips.
+    mod fuzz {
+        use proptest::prelude::*;
+        use skein_common::fuzz::{arbitrary_bytes, check, config, mutated};
+
+        use super::*;
+
+        fn position() -> impl Strategy<Value = SourcePosition> {
+            prop_oneof![
+                any::<u64>().prop_map(|n| SourcePosition::Pg(PgLsn(n))),
+                any::<[u8; 10]>().prop_map(|b| SourcePosition::SqlServer(SqlServerLsn(b))),
+            ]
+        }
+
+        fn record(position: BoxedStrategy<SourcePosition>) -> impl Strategy<Value = ChangeRecord> {
+            (
+                "[a-z_]{0,8}",
+                prop::collection::vec(prop::option::of("[ -~ü]{0,6}"), 0..4),
+                "[a-z_.]{0,10}",
+                prop::sample::select(vec![Op::Insert, Op::Update, Op::Delete]),
+                position,
+                0..=i64::MAX as u64,
+                any::<u64>(),
+                any::<i64>(),
+            )
+                .prop_map(
+                    |(entity, key, table, op, commit, seq, tx_id, commit_time_micros)| {
+                        ChangeRecord {
+                            entity,
+                            root_key: RootKey(key),
+                            table,
+                            op,
+                            position: ChangePosition { commit, seq },
+                            tx_id,
+                            commit_time_micros,
+                        }
+                    },
+                )
+        }
+
+        /// Envelopes whose positions come from `position`.
+        fn envelope_of(
+            position: impl Fn() -> BoxedStrategy<SourcePosition>,
+        ) -> impl Strategy<Value = Envelope> {
+            (
+                position(),
+                position(),
+                any::<bool>(),
+                prop::option::of(record(position())),
+            )
+                .prop_map(|(lower, upper, has_data_loss, record)| Envelope {
+                    lower,
+                    upper,
+                    has_data_loss,
+                    record,
+                })
+        }
+
+        fn envelope() -> impl Strategy<Value = Envelope> {
+            envelope_of(|| position().boxed())
+        }
+
+        /// What the previous release wrote: [`FORMAT_V1`], LSNs as longs.
+        fn encode_v1(e: &Envelope) -> Vec<u8> {
+            let lsn = |p: &SourcePosition| match p {
+                SourcePosition::Pg(l) => Value::Long(l.as_i64()),
+                SourcePosition::SqlServer(_) => unreachable!("v1 carried PostgreSQL LSNs only"),
+            };
+            let mut v2 = apache_avro::from_avro_datum(&SCHEMA, &mut &encode(e)[1..], None).unwrap();
+            let Value::Record(fields) = &mut v2 else {
+                unreachable!()
+            };
+            fields[0].1 = lsn(&e.lower);
+            fields[1].1 = lsn(&e.upper);
+            if let (Value::Union(1, r), Some(rec)) = (&mut fields[3].1, &e.record) {
+                let Value::Record(rf) = r.as_mut() else {
+                    unreachable!()
+                };
+                rf[4].1 = lsn(&rec.position.commit);
+            }
+            let mut out = vec![FORMAT_V1];
+            out.extend(apache_avro::to_avro_datum(&SCHEMA_V1, v2).unwrap());
+            out
+        }
+
+        fn pg_envelope() -> impl Strategy<Value = Envelope> {
+            // v1 stored LSNs as `long`s (`PgLsn::as_i64`): PostgreSQL's
+            // never reach 2^63.
+            envelope_of(|| {
+                (0..=i64::MAX as u64)
+                    .prop_map(|n| SourcePosition::Pg(PgLsn(n)))
+                    .boxed()
+            })
+        }
+
+        fn valid() -> impl Strategy<Value = Vec<u8>> {
+            prop_oneof![
+                envelope().prop_map(|e| encode(&e)),
+                pg_envelope().prop_map(|e| encode_v1(&e)),
+            ]
+        }
+
+        const TOKENS: &[&[u8]] = &[b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x7f"];
+
+        fn run(b: &[u8]) {
+            check("change envelope", b.len(), || drop(decode(b)));
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn arbitrary_bytes_are_ok_or_an_error(b in arbitrary_bytes(96)) {
+                run(&b);
+            }
+
+            #[test]
+            fn mutated_envelopes_are_ok_or_an_error(b in mutated(valid(), TOKENS)) {
+                run(&b);
+            }
+
+            #[test]
+            fn envelopes_round_trip_in_both_formats(e in envelope(), p in pg_envelope()) {
+                prop_assert_eq!(decode(&encode(&e)).unwrap(), e);
+                prop_assert_eq!(decode(&encode_v1(&p)).unwrap(), p);
+            }
+        }
+
+        /// Avro's zig-zag varint of `n`.
+        fn varint(n: i64) -> Vec<u8> {
+            let mut z = ((n << 1) ^ (n >> 63)) as u64;
+            let mut out = vec![];
+            loop {
+                let b = (z & 0x7f) as u8;
+                z >>= 7;
+                if z == 0 {
+                    out.push(b);
+                    return out;
+                }
+                out.push(b | 0x80);
+            }
+        }
+
+        /// Regression: a declared string length of 400 MB in a 6-byte
+        /// message made apache-avro allocate 400 MB before reading.
+        #[test]
+        fn a_huge_string_length_is_refused_before_allocating() {
+            let mut b = vec![FORMAT_V2];
+            b.extend(varint(400_000_000));
+            let e = check("change envelope", b.len(), || decode(&b)).unwrap_err();
+            assert!(
+                e.contains("field `lower`") && e.contains("does not fit"),
+                "{e}"
+            );
+        }
+
+        /// Regression: a root key declaring 10 million items made
+        /// apache-avro reserve room for them (hundreds of MB) up front.
+        #[test]
+        fn a_huge_array_count_is_refused_before_allocating() {
+            let mut b = vec![FORMAT_V1, 0, 0, 0, 2, 0];
+            b.extend(varint(10_000_000));
+            let e = check("change envelope", b.len(), || decode(&b)).unwrap_err();
+            assert!(
+                e.contains("field `root_key`") && e.contains("10000000 items"),
+                "{e}"
+            );
+        }
     }
 }
