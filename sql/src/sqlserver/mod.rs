@@ -294,7 +294,11 @@ pub fn lookup_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Strin
                 .and_then(|t| t.column(&o.to_column))
                 .map(|c| c.data_type.as_str())
                 .unwrap_or("nvarchar(4000)");
-            format!("u0.{} = TRY_CONVERT({ty}, k.[v{i}])", qi(&o.to_column))
+            format!(
+                "u0.{} = {}",
+                qi(&o.to_column),
+                key_from_text(ty, &format!("k.[v{i}]"))
+            )
         })
         .collect();
     let mut sql = format!(
@@ -307,6 +311,21 @@ pub fn lookup_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Strin
     sql.push_str(&parent_chain_joins(nodes, &up, qi));
     sql.push_str("ORDER BY k.[ord]");
     sql
+}
+
+/// A key's text (`SqlValue::to_text`: ISO 8601, `T`, 100 ns digits when
+/// the value has them) back in the column's type `ty`. `datetime` and
+/// `smalldatetime` read at most three fractional digits from a string (a
+/// longer one is no value: `TRY_CONVERT` gives NULL and the row is never
+/// found), so their text goes through `datetime2(7)`, whose conversion
+/// rounds to the column's own ticks: the text of a `datetime` is less
+/// than 1 µs from its 1/300 s tick, so it rounds back to that tick.
+pub fn key_from_text(ty: &str, text: &str) -> String {
+    if ty.eq_ignore_ascii_case("datetime") || ty.eq_ignore_ascii_case("smalldatetime") {
+        format!("TRY_CONVERT({ty}, TRY_CONVERT(datetime2(7), {text}))")
+    } else {
+        format!("TRY_CONVERT({ty}, {text})")
+    }
 }
 
 /// How many root keys one `INSERT INTO #skein_keys` carries: a request
@@ -408,7 +427,7 @@ pub fn hydrate_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
                 .and_then(|t| t.column(c))
                 .map(|c| c.data_type.as_str())
                 .unwrap_or("nvarchar(4000)");
-            format!("t0.{} = TRY_CONVERT({ty}, k.[v{i}])", qi(c))
+            format!("t0.{} = {}", qi(c), key_from_text(ty, &format!("k.[v{i}]")))
         })
         .collect();
     format!(
@@ -571,6 +590,29 @@ mod tests {
             if let Some(n) = next_excluded {
                 proptest::prop_assert!(*n > upper);
             }
+        }
+    }
+
+    /// `datetime` / `smalldatetime` key texts carry more fractional
+    /// digits than those types read from a string: through `datetime2(7)`.
+    #[test]
+    fn key_texts_are_converted_to_their_column_type() {
+        assert_eq!(
+            key_from_text("datetime", "k.[v0]"),
+            "TRY_CONVERT(datetime, TRY_CONVERT(datetime2(7), k.[v0]))"
+        );
+        assert_eq!(
+            key_from_text("smalldatetime", "k.[v1]"),
+            "TRY_CONVERT(smalldatetime, TRY_CONVERT(datetime2(7), k.[v1]))"
+        );
+        for ty in [
+            "datetime2(7)",
+            "datetimeoffset(7)",
+            "time(7)",
+            "int",
+            "nvarchar(50)",
+        ] {
+            assert_eq!(key_from_text(ty, "x"), format!("TRY_CONVERT({ty}, x)"));
         }
     }
 
