@@ -101,14 +101,20 @@ pub fn min_lsns_sql(n: usize) -> String {
     format!("SELECT {}", cols.join(", "))
 }
 
-/// Whether CDC is enabled on the database and which capture instances
-/// exist for a table (`@P1` schema, `@P2` table), newest first.
-pub const CAPTURE_INSTANCES_SQL: &str = "SELECT ct.capture_instance, ct.start_lsn, ct.create_date \
+/// The capture instances of a table (`@P1` schema, `@P2` table), oldest
+/// first: `capture_instance, start_lsn, create_lsn`. `create_lsn` is the
+/// last commit at or before the instance's `create_date`
+/// (`sys.fn_cdc_map_time_to_lsn`; NULL when cleanup removed that
+/// mapping): an instance whose `create_lsn` is at or after the marker was
+/// created after it, so a `start_lsn` past the marker is its beginning,
+/// not cleanup. (`start_lsn` itself moves with cleanup.)
+pub const CAPTURE_INSTANCES_SQL: &str = "SELECT ct.capture_instance, ct.start_lsn, \
+sys.fn_cdc_map_time_to_lsn(N'largest less than or equal', ct.create_date) AS create_lsn \
 FROM cdc.change_tables ct \
 JOIN sys.tables tb ON tb.object_id = ct.source_object_id \
 JOIN sys.schemas sc ON sc.schema_id = tb.schema_id \
 WHERE sc.name = @P1 AND tb.name = @P2 \
-ORDER BY ct.create_date DESC";
+ORDER BY ct.create_date, ct.capture_instance";
 
 /// The columns of one table (`@P1` schema, `@P2` table) in table order:
 /// `column, type_name, data_type, is_nullable, pk_ordinal`. `data_type` is
@@ -189,12 +195,14 @@ pub fn changes_sql(capture_instance: &str, columns: &[String]) -> String {
     )
 }
 
-/// The first `@P2` + 1 change LSNs up to `@P1` across the given capture
-/// instances, in order: enough for [`cap_window`] to close the batch at an
-/// LSN boundary. Instance `i` is read from `@P(3+i)` (the marker's
-/// successor, or the instance's own minimum when that is later: the
-/// function refuses a start before it). Each instance contributes at most
-/// `@P2` + 1 rows itself, so sizing a batch costs the batch, not the
+/// The first `@P1` + 1 change LSNs across the given capture instances, in
+/// order: enough for [`cap_window`] to close the batch at an LSN boundary.
+/// Instance `i` is read in `[@P(2i+2), @P(2i+3)]`: from the marker's
+/// successor, or the instance's own minimum when that is later (the
+/// function refuses a start before it), up to the max LSN, or for the
+/// older of two instances of one table up to just before the newer one's
+/// start (the newer covers the rest). Each instance contributes at most
+/// `@P1` + 1 rows itself, so sizing a batch costs the batch, not the
 /// backlog behind it.
 pub fn window_sql(capture_instances: &[String]) -> String {
     let unions: Vec<String> = capture_instances
@@ -202,15 +210,16 @@ pub fn window_sql(capture_instances: &[String]) -> String {
         .enumerate()
         .map(|(i, ci)| {
             format!(
-                "    SELECT b{i}.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] \
-                 FROM cdc.{}(@P{}, @P1, N'all update old') ORDER BY [__$start_lsn]) b{i}",
+                "    SELECT b{i}.[lsn] FROM (SELECT TOP (@P1 + 1) [__$start_lsn] AS [lsn] \
+                 FROM cdc.{}(@P{}, @P{}, N'all update old') ORDER BY [__$start_lsn]) b{i}",
                 qi(&format!("fn_cdc_get_all_changes_{ci}")),
-                i + 3
+                2 * i + 2,
+                2 * i + 3
             )
         })
         .collect();
     format!(
-        "SELECT TOP (@P2 + 1) u.[lsn]\nFROM (\n{}\n) u\nORDER BY u.[lsn]",
+        "SELECT TOP (@P1 + 1) u.[lsn]\nFROM (\n{}\n) u\nORDER BY u.[lsn]",
         unions.join("\n    UNION ALL\n")
     )
 }
