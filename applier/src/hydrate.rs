@@ -2,8 +2,8 @@
 //! of the entity per batch (never one per key), nested into entity JSON.
 //!
 //! The applier reads through [`Source`], whatever the dialect. PostgreSQL
-//! builds each row's JSON in the query (formats fixed by
-//! [`SESSION_SETTINGS`]); SQL Server returns typed columns that
+//! builds each row's JSON in the query (formats fixed on every connection
+//! by [`skein_sql::postgres::client::SESSION_FORMATS`]); SQL Server returns typed columns that
 //! [`SqlValue`] turns into the same JSON formats, so an aggregate's etag does
 //! not depend on where it lives.
 
@@ -27,15 +27,11 @@ use tokio_postgres::error::SqlState;
 use crate::decide::{Current, DeletePayload};
 use crate::error::{db, Error, Result};
 
-/// Session settings that make every value format fixed, whatever the
-/// server's defaults (timestamps are formatted explicitly too).
-pub const SESSION_SETTINGS: &str =
-    "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'iso_8601'; SET extra_float_digits = 1";
-
 /// The source database as the applier sees it: something that answers
 /// "the latest state of these aggregates".
 pub enum Source {
-    /// PostgreSQL, with [`SESSION_SETTINGS`] applied; `in_snapshot` while a
+    /// PostgreSQL (its session formats fixed as on every connection,
+    /// [`skein_sql::postgres::client::SESSION_FORMATS`]); `in_snapshot` while a
     /// batch's read-only snapshot transaction is open.
     Postgres {
         /// The connection.
@@ -84,10 +80,6 @@ impl Source {
         match &cfg.source {
             config::Source::Postgres(pg) => {
                 let client = connect_postgres(pg.url.expose(), "source").await?;
-                client
-                    .batch_execute(SESSION_SETTINGS)
-                    .await
-                    .map_err(db("setting the session formats"))?;
                 Ok(Source::Postgres {
                     client,
                     in_snapshot: false,

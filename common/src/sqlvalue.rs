@@ -16,7 +16,11 @@
 //! | char, varchar, nchar, nvarchar, text, ntext, xml | the string |
 //!
 //! SQL Server keeps time to 100 ns; events carry microseconds (the
-//! PostgreSQL precision), truncated.
+//! PostgreSQL precision), truncated. A key's text ([`SqlValue::to_text`])
+//! is exact instead: hydration converts it back to the column's type and
+//! compares, so a `datetime2(7)` key truncated to `.123456` would never
+//! find its row `.1234567`. It has microseconds when they are exact (the
+//! event's form) and 100 ns digits only when the value has them.
 
 use base64::Engine as _;
 use chrono::{DateTime, FixedOffset, NaiveDate, NaiveDateTime, NaiveTime, Timelike, Utc};
@@ -58,6 +62,22 @@ fn micros_time(t: &NaiveTime) -> String {
         t.minute(),
         t.second(),
         t.nanosecond().min(999_999_999) / 1_000
+    )
+}
+
+/// A key's time of day: microseconds when exact, else 100 ns (the
+/// finest SQL Server time; finer is not decoded).
+fn exact_time(t: &NaiveTime) -> String {
+    let nanos = t.nanosecond().min(999_999_999);
+    if nanos.is_multiple_of(1_000) {
+        return micros_time(t);
+    }
+    format!(
+        "{:02}:{:02}:{:02}.{:07}",
+        t.hour(),
+        t.minute(),
+        t.second(),
+        nanos / 100
     )
 }
 
@@ -112,14 +132,19 @@ impl SqlValue {
             | SqlValue::Date(_)
             | SqlValue::Time(_)
             | SqlValue::Guid(_)
-            | SqlValue::Binary(_) => Value::String(self.to_text().unwrap_or_default()),
+            | SqlValue::Binary(_) => Value::String(self.text_with(micros_time).unwrap_or_default()),
         }
     }
 
     /// The value as text: what a root key holds (`None` for NULL). Numbers
     /// in their plain decimal form, `1`/`0` for bit, the JSON string for
-    /// everything else.
+    /// everything else, but times exact to 100 ns (the module's doc says
+    /// why).
     pub fn to_text(&self) -> Option<String> {
+        self.text_with(exact_time)
+    }
+
+    fn text_with(&self, time: fn(&NaiveTime) -> String) -> Option<String> {
         Some(match self {
             SqlValue::Null => return None,
             SqlValue::Int(i) => i.to_string(),
@@ -127,13 +152,13 @@ impl SqlValue {
             SqlValue::Decimal { unscaled, scale } => decimal_text(*unscaled, *scale),
             SqlValue::Bit(b) => if *b { "1" } else { "0" }.to_string(),
             SqlValue::Text(s) => s.clone(),
-            SqlValue::DateTime(t) => format!("{}T{}", t.date(), micros_time(&t.time())),
+            SqlValue::DateTime(t) => format!("{}T{}", t.date(), time(&t.time())),
             SqlValue::DateTimeOffset(t) => {
                 let u = t.with_timezone(&Utc).naive_utc();
-                format!("{}T{}Z", u.date(), micros_time(&u.time()))
+                format!("{}T{}Z", u.date(), time(&u.time()))
             }
             SqlValue::Date(d) => d.to_string(),
-            SqlValue::Time(t) => micros_time(t),
+            SqlValue::Time(t) => time(t),
             SqlValue::Guid(g) => guid_text(g),
             SqlValue::Binary(b) => base64::engine::general_purpose::STANDARD.encode(b),
         })
@@ -215,5 +240,42 @@ mod tests {
         assert_eq!(SqlValue::Int(7).to_text().as_deref(), Some("7"));
         assert_eq!(SqlValue::Bit(false).to_text().as_deref(), Some("0"));
         assert_eq!(SqlValue::Null.to_text(), None);
+    }
+
+    fn at(nanos: u32) -> NaiveDateTime {
+        NaiveDate::from_ymd_opt(2024, 2, 29)
+            .unwrap()
+            .and_hms_nano_opt(21, 59, 59, nanos)
+            .unwrap()
+    }
+
+    /// A key's text reads back as the same value (hydration converts it to
+    /// the column's type and compares with `=`); the event keeps
+    /// microseconds.
+    #[test]
+    fn time_keys_are_exact_and_events_keep_microseconds() {
+        let dt = SqlValue::DateTime(at(123_456_700));
+        assert_eq!(dt.to_text().unwrap(), "2024-02-29T21:59:59.1234567");
+        assert_eq!(dt.to_json(), json!("2024-02-29T21:59:59.123456"));
+        // Exact microseconds keep the event's form (keys stored before).
+        let dt = SqlValue::DateTime(at(123_456_000));
+        assert_eq!(dt.to_text().unwrap(), "2024-02-29T21:59:59.123456");
+        let off = FixedOffset::east_opt(-5 * 3600).unwrap();
+        let dto = SqlValue::DateTimeOffset(at(100).and_local_timezone(off).unwrap());
+        assert_eq!(dto.to_text().unwrap(), "2024-03-01T02:59:59.0000001Z");
+        assert_eq!(dto.to_json(), json!("2024-03-01T02:59:59.000000Z"));
+        let t = SqlValue::Time(at(999_999_900).time());
+        assert_eq!(t.to_text().unwrap(), "21:59:59.9999999");
+    }
+
+    /// Every 100 ns value of a second: the key text parses back to it.
+    #[test]
+    fn every_hundred_nanoseconds_round_trips_through_the_key_text() {
+        for step in (0..10_000_000u32).step_by(997) {
+            let v = at(step * 100);
+            let text = SqlValue::DateTime(v).to_text().unwrap();
+            let back = NaiveDateTime::parse_from_str(&text, "%Y-%m-%dT%H:%M:%S%.f").unwrap();
+            assert_eq!(back, v, "{text}");
+        }
     }
 }

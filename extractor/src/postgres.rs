@@ -429,6 +429,7 @@ impl PgSource {
             self.publication.clone(),
         )
         .with_port(port)
+        .with_options(url.replication_options())
         .with_tls(
             url.replication_tls()
                 .await

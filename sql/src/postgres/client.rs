@@ -13,6 +13,12 @@
 //!
 //! The default is `prefer`, as libpq's. Without `sslrootcert`, `verify-ca`
 //! and `verify-full` check against the system's trusted roots.
+//!
+//! Every connection also fixes the session's value formats
+//! ([`SESSION_FORMATS`]), whatever the server, database or role set: keys
+//! travel as text (pgoutput sends values in the walsender session's
+//! `DateStyle` and `TimeZone`; lookups and hydration cast them to `text`
+//! and back), so every session must render a timestamp the same way.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -26,6 +32,46 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_postgres_rustls::MakeRustlsConnect;
+
+/// The value formats of every skein session, source and sidecar, query and
+/// replication: `(setting, value)`. A key read from the change stream is
+/// parsed by hydration and compared with keys looked up in the source; a
+/// database set to `DateStyle = 'SQL, DMY'` once made hydration fail on
+/// `13/07/2024`, and a `TimeZone` other than UTC made a `timestamptz` key's
+/// text depend on the session.
+pub const SESSION_FORMATS: [(&str, &str); 4] = [
+    ("TimeZone", "UTC"),
+    ("DateStyle", "ISO,YMD"),
+    ("IntervalStyle", "iso_8601"),
+    ("extra_float_digits", "1"),
+];
+
+/// [`SESSION_FORMATS`] as `SET` statements, run on every query connection
+/// right after it opens (a connection pooler may refuse startup `options`;
+/// every server takes a `SET`).
+pub fn session_formats_sql() -> String {
+    SESSION_FORMATS
+        .iter()
+        .map(|(k, v)| format!("SET {k} = '{v}'"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The startup `options` of the replication connection: the URL's own
+/// `options`, then [`SESSION_FORMATS`] (the last `-c` of a setting wins, so
+/// ours do). A walsender runs no `SET` before it streams: this is the only
+/// way to fix the formats pgoutput renders values in.
+pub fn replication_options(url_options: Option<&str>) -> String {
+    let ours = SESSION_FORMATS
+        .iter()
+        .map(|(k, v)| format!("-c {k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    match url_options.map(str::trim).filter(|o| !o.is_empty()) {
+        Some(theirs) => format!("{theirs} {ours}"),
+        None => ours,
+    }
+}
 
 /// libpq's `sslmode`, the values skein supports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -335,8 +381,8 @@ impl PgUrl {
         }))
     }
 
-    /// Opens a query connection; its task is spawned and ends when the
-    /// client is dropped.
+    /// Opens a query connection with [`SESSION_FORMATS`] set; its task is
+    /// spawned and ends when the client is dropped.
     pub async fn connect(
         &self,
         what: &'static str,
@@ -348,7 +394,17 @@ impl PgUrl {
                 tracing::debug!(error = %e, "{what} connection closed");
             }
         });
+        client
+            .batch_execute(&session_formats_sql())
+            .await
+            .map_err(ConnectError::Db)?;
         Ok(client)
+    }
+
+    /// The startup `options` of the replication connection
+    /// ([`replication_options`] of this URL's `options`).
+    pub fn replication_options(&self) -> String {
+        replication_options(self.config.get_options())
     }
 }
 
@@ -437,6 +493,30 @@ mod tests {
             tokio_postgres::config::SslMode::Disable
         );
         assert_eq!(off.ssl_mode, SslMode::Disable);
+    }
+
+    #[test]
+    fn every_session_gets_the_same_formats_and_ours_win() {
+        assert_eq!(
+            session_formats_sql(),
+            "SET TimeZone = 'UTC'; SET DateStyle = 'ISO,YMD'; \
+             SET IntervalStyle = 'iso_8601'; SET extra_float_digits = '1'"
+        );
+        let ours = "-c TimeZone=UTC -c DateStyle=ISO,YMD -c IntervalStyle=iso_8601 \
+                    -c extra_float_digits=1";
+        assert_eq!(
+            PgUrl::parse("postgres://u@h/db")
+                .unwrap()
+                .replication_options(),
+            ours
+        );
+        let u = PgUrl::parse("host=h options='-c\\ work_mem=1MB'").unwrap();
+        let theirs = u.config.get_options().unwrap().to_string();
+        assert_eq!(u.replication_options(), format!("{theirs} {ours}"));
+        // No value needs quoting in the startup packet (a space would).
+        assert!(SESSION_FORMATS
+            .iter()
+            .all(|(k, v)| !k.contains(' ') && !v.contains(' ')));
     }
 
     #[test]

@@ -264,6 +264,61 @@ mod tests {
         assert_eq!(e.column, "born");
     }
 
+    /// What hydration and lookups do with a key's text
+    /// (`super::super::key_from_text`): read it as `datetime2(7)` (ISO 8601,
+    /// 100 ns), and for `datetime` round that to the nearest 1/300 s tick.
+    fn as_datetime2(text: &str) -> NaiveDateTime {
+        let t = text.trim_end_matches('Z');
+        NaiveDateTime::parse_from_str(t, "%Y-%m-%dT%H:%M:%S%.f").unwrap()
+    }
+
+    fn text_of(cell: ColumnData<'_>) -> String {
+        decode("c", &cell).unwrap().to_text().unwrap()
+    }
+
+    /// A key decoded from a CDC row, rendered as text, converted back the
+    /// way hydration converts it, is the value the row holds: every
+    /// `datetime` tick of a second, `datetime2(7)`, `datetimeoffset(7)` at
+    /// an offset and `time(7)` with 100 ns digits. (Before, the text kept
+    /// microseconds: `.1234567` came back as `.1234560`, and `datetime`'s
+    /// six digits were no `datetime` at all, so such roots were never
+    /// found.)
+    #[test]
+    fn time_keys_from_cdc_rows_read_back_as_hydration_reads_them() {
+        let second = (21 * 3600 + 59 * 60 + 59) * 300;
+        for tick in 0..300 {
+            let text = text_of(ColumnData::DateTime(Some(DateTime::new(
+                DAYS_1900,
+                second + tick,
+            ))));
+            let back = as_datetime2(&text);
+            let nanos = i64::from(back.and_utc().timestamp_subsec_nanos());
+            // Nearest 1/300 s tick.
+            let round = (nanos * 300 + 500_000_000) / 1_000_000_000;
+            assert_eq!(round, i64::from(tick), "{text}");
+            assert!(text.starts_with("2024-02-29T21:59:59."), "{text}");
+        }
+        let d = Date::new(DAYS_0001);
+        for inc in [0u64, 1, 9, 10, 1_234_567, 9_999_999, 791_991_234_567] {
+            let t = Time::new(inc, 7);
+            let v = datetime2(&DateTime2::new(d, t)).unwrap();
+            assert_eq!(
+                as_datetime2(&text_of(ColumnData::DateTime2(Some(DateTime2::new(d, t))))),
+                v
+            );
+            let dto = DateTimeOffset::new(DateTime2::new(d, t), -300);
+            assert_eq!(
+                as_datetime2(&text_of(ColumnData::DateTimeOffset(Some(dto)))),
+                v
+            );
+            let time = text_of(ColumnData::Time(Some(t)));
+            assert_eq!(
+                NaiveTime::parse_from_str(&time, "%H:%M:%S%.f").unwrap(),
+                v.time()
+            );
+        }
+    }
+
     #[test]
     fn guid_binary_and_rowversion() {
         let u = Uuid::parse_str("6f9619ff-8b86-d011-b42d-00c04fc964ff").unwrap();

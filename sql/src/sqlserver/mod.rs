@@ -101,14 +101,20 @@ pub fn min_lsns_sql(n: usize) -> String {
     format!("SELECT {}", cols.join(", "))
 }
 
-/// Whether CDC is enabled on the database and which capture instances
-/// exist for a table (`@P1` schema, `@P2` table), newest first.
-pub const CAPTURE_INSTANCES_SQL: &str = "SELECT ct.capture_instance, ct.start_lsn, ct.create_date \
+/// The capture instances of a table (`@P1` schema, `@P2` table), oldest
+/// first: `capture_instance, start_lsn, create_lsn`. `create_lsn` is the
+/// last commit at or before the instance's `create_date`
+/// (`sys.fn_cdc_map_time_to_lsn`; NULL when cleanup removed that
+/// mapping): an instance whose `create_lsn` is at or after the marker was
+/// created after it, so a `start_lsn` past the marker is its beginning,
+/// not cleanup. (`start_lsn` itself moves with cleanup.)
+pub const CAPTURE_INSTANCES_SQL: &str = "SELECT ct.capture_instance, ct.start_lsn, \
+sys.fn_cdc_map_time_to_lsn(N'largest less than or equal', ct.create_date) AS create_lsn \
 FROM cdc.change_tables ct \
 JOIN sys.tables tb ON tb.object_id = ct.source_object_id \
 JOIN sys.schemas sc ON sc.schema_id = tb.schema_id \
 WHERE sc.name = @P1 AND tb.name = @P2 \
-ORDER BY ct.create_date DESC";
+ORDER BY ct.create_date, ct.capture_instance";
 
 /// The columns of one table (`@P1` schema, `@P2` table) in table order:
 /// `column, type_name, data_type, is_nullable, pk_ordinal`. `data_type` is
@@ -189,12 +195,14 @@ pub fn changes_sql(capture_instance: &str, columns: &[String]) -> String {
     )
 }
 
-/// The first `@P2` + 1 change LSNs up to `@P1` across the given capture
-/// instances, in order: enough for [`cap_window`] to close the batch at an
-/// LSN boundary. Instance `i` is read from `@P(3+i)` (the marker's
-/// successor, or the instance's own minimum when that is later: the
-/// function refuses a start before it). Each instance contributes at most
-/// `@P2` + 1 rows itself, so sizing a batch costs the batch, not the
+/// The first `@P1` + 1 change LSNs across the given capture instances, in
+/// order: enough for [`cap_window`] to close the batch at an LSN boundary.
+/// Instance `i` is read in `[@P(2i+2), @P(2i+3)]`: from the marker's
+/// successor, or the instance's own minimum when that is later (the
+/// function refuses a start before it), up to the max LSN, or for the
+/// older of two instances of one table up to just before the newer one's
+/// start (the newer covers the rest). Each instance contributes at most
+/// `@P1` + 1 rows itself, so sizing a batch costs the batch, not the
 /// backlog behind it.
 pub fn window_sql(capture_instances: &[String]) -> String {
     let unions: Vec<String> = capture_instances
@@ -202,15 +210,16 @@ pub fn window_sql(capture_instances: &[String]) -> String {
         .enumerate()
         .map(|(i, ci)| {
             format!(
-                "    SELECT b{i}.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] \
-                 FROM cdc.{}(@P{}, @P1, N'all update old') ORDER BY [__$start_lsn]) b{i}",
+                "    SELECT b{i}.[lsn] FROM (SELECT TOP (@P1 + 1) [__$start_lsn] AS [lsn] \
+                 FROM cdc.{}(@P{}, @P{}, N'all update old') ORDER BY [__$start_lsn]) b{i}",
                 qi(&format!("fn_cdc_get_all_changes_{ci}")),
-                i + 3
+                2 * i + 2,
+                2 * i + 3
             )
         })
         .collect();
     format!(
-        "SELECT TOP (@P2 + 1) u.[lsn]\nFROM (\n{}\n) u\nORDER BY u.[lsn]",
+        "SELECT TOP (@P1 + 1) u.[lsn]\nFROM (\n{}\n) u\nORDER BY u.[lsn]",
         unions.join("\n    UNION ALL\n")
     )
 }
@@ -294,7 +303,11 @@ pub fn lookup_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Strin
                 .and_then(|t| t.column(&o.to_column))
                 .map(|c| c.data_type.as_str())
                 .unwrap_or("nvarchar(4000)");
-            format!("u0.{} = TRY_CONVERT({ty}, k.[v{i}])", qi(&o.to_column))
+            format!(
+                "u0.{} = {}",
+                qi(&o.to_column),
+                key_from_text(ty, &format!("k.[v{i}]"))
+            )
         })
         .collect();
     let mut sql = format!(
@@ -307,6 +320,21 @@ pub fn lookup_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Strin
     sql.push_str(&parent_chain_joins(nodes, &up, qi));
     sql.push_str("ORDER BY k.[ord]");
     sql
+}
+
+/// A key's text (`SqlValue::to_text`: ISO 8601, `T`, 100 ns digits when
+/// the value has them) back in the column's type `ty`. `datetime` and
+/// `smalldatetime` read at most three fractional digits from a string (a
+/// longer one is no value: `TRY_CONVERT` gives NULL and the row is never
+/// found), so their text goes through `datetime2(7)`, whose conversion
+/// rounds to the column's own ticks: the text of a `datetime` is less
+/// than 1 µs from its 1/300 s tick, so it rounds back to that tick.
+pub fn key_from_text(ty: &str, text: &str) -> String {
+    if ty.eq_ignore_ascii_case("datetime") || ty.eq_ignore_ascii_case("smalldatetime") {
+        format!("TRY_CONVERT({ty}, TRY_CONVERT(datetime2(7), {text}))")
+    } else {
+        format!("TRY_CONVERT({ty}, {text})")
+    }
 }
 
 /// How many root keys one `INSERT INTO #skein_keys` carries: a request
@@ -408,7 +436,7 @@ pub fn hydrate_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
                 .and_then(|t| t.column(c))
                 .map(|c| c.data_type.as_str())
                 .unwrap_or("nvarchar(4000)");
-            format!("t0.{} = TRY_CONVERT({ty}, k.[v{i}])", qi(c))
+            format!("t0.{} = {}", qi(c), key_from_text(ty, &format!("k.[v{i}]")))
         })
         .collect();
     format!(
@@ -571,6 +599,29 @@ mod tests {
             if let Some(n) = next_excluded {
                 proptest::prop_assert!(*n > upper);
             }
+        }
+    }
+
+    /// `datetime` / `smalldatetime` key texts carry more fractional
+    /// digits than those types read from a string: through `datetime2(7)`.
+    #[test]
+    fn key_texts_are_converted_to_their_column_type() {
+        assert_eq!(
+            key_from_text("datetime", "k.[v0]"),
+            "TRY_CONVERT(datetime, TRY_CONVERT(datetime2(7), k.[v0]))"
+        );
+        assert_eq!(
+            key_from_text("smalldatetime", "k.[v1]"),
+            "TRY_CONVERT(smalldatetime, TRY_CONVERT(datetime2(7), k.[v1]))"
+        );
+        for ty in [
+            "datetime2(7)",
+            "datetimeoffset(7)",
+            "time(7)",
+            "int",
+            "nvarchar(50)",
+        ] {
+            assert_eq!(key_from_text(ty, "x"), format!("TRY_CONVERT({ty}, x)"));
         }
     }
 

@@ -50,15 +50,15 @@ IF NOT EXISTS (SELECT 1 FROM sys.tables tb JOIN sys.schemas sc ON sc.schema_id =
 SELECT sys.fn_cdc_get_min_lsn(@P1), sys.fn_cdc_get_min_lsn(@P2), sys.fn_cdc_get_min_lsn(@P3), sys.fn_cdc_get_min_lsn(@P4);
 
 -- the batch cap
-SELECT TOP (@P2 + 1) u.[lsn]
+SELECT TOP (@P1 + 1) u.[lsn]
 FROM (
-    SELECT b0.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order](@P3, @P1, N'all update old') ORDER BY [__$start_lsn]) b0
+    SELECT b0.[lsn] FROM (SELECT TOP (@P1 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order](@P2, @P3, N'all update old') ORDER BY [__$start_lsn]) b0
     UNION ALL
-    SELECT b1.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P4, @P1, N'all update old') ORDER BY [__$start_lsn]) b1
+    SELECT b1.[lsn] FROM (SELECT TOP (@P1 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P4, @P5, N'all update old') ORDER BY [__$start_lsn]) b1
     UNION ALL
-    SELECT b2.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P5, @P1, N'all update old') ORDER BY [__$start_lsn]) b2
+    SELECT b2.[lsn] FROM (SELECT TOP (@P1 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P6, @P7, N'all update old') ORDER BY [__$start_lsn]) b2
     UNION ALL
-    SELECT b3.[lsn] FROM (SELECT TOP (@P2 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P6, @P1, N'all update old') ORDER BY [__$start_lsn]) b3
+    SELECT b3.[lsn] FROM (SELECT TOP (@P1 + 1) [__$start_lsn] AS [lsn] FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P8, @P9, N'all update old') ORDER BY [__$start_lsn]) b3
 ) u
 ORDER BY u.[lsn];
 
