@@ -151,3 +151,22 @@ async fn require_against_a_server_without_tls_is_refused() {
         "{err}"
     );
 }
+
+/// Over a Unix socket there is no TLS, whatever `sslmode` says (as libpq):
+/// once no such URL could connect at all.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_unix_socket_url_connects_in_any_sslmode() {
+    let mut env = Env::new("tls_unix_socket", |y| y).await;
+    let port = admin_url()
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.split('/').next().map(str::to_string))
+        .unwrap();
+    for mode in ["disable", "prefer", "require"] {
+        env.url = format!(
+            "postgres://postgres@%2Ftmp%2Fskein-pg-{port}:{port}/skein_t_tls_unix_socket?sslmode={mode}"
+        );
+        env.skein_ok(&["sidecar", "migrate"]);
+        let status = env.skein_ok(&["status"]);
+        assert!(status.contains("\"slot\""), "{mode}: {status}");
+    }
+}

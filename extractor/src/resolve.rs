@@ -280,9 +280,14 @@ impl BatchResolution {
                 let mut cand = 0u32;
                 if ch.op == Op::Truncate {
                     let table = format!("{}.{}", ch.table.0, ch.table.1);
-                    let notices = targets
+                    // One notice per entity, however many of its nodes
+                    // read the table (candidates are numbered, and bounded).
+                    let mut entities: Vec<usize> = targets.iter().map(|(pi, _)| *pi).collect();
+                    entities.sort_unstable();
+                    entities.dedup();
+                    let notices = entities
                         .iter()
-                        .flat_map(|(pi, _)| {
+                        .flat_map(|pi| {
                             (0..partitions).map(move |p| (*pi, RootKey(vec![Some(p.to_string())])))
                         })
                         .map(|(pi, key)| {

@@ -191,31 +191,48 @@ impl PgUrl {
             Ok(true)
         };
         let rest = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let mut u = url::Url::parse(url).map_err(|e| {
-                ConnectError::Settings(format!("the connection URL is invalid: {e}"))
-            })?;
-            let mut kept = vec![];
-            for (k, v) in u.query_pairs() {
-                if !take(&k, &v)? {
-                    kept.push((k.into_owned(), v.into_owned()));
+            // The query is filtered as written, never re-encoded: tokio-postgres
+            // decodes only `%XX` (a re-encoded space would read as `+`), and
+            // a URL of several hosts is no `url::Url`.
+            match url.split_once('?') {
+                None => url.to_string(),
+                Some((base, query)) => {
+                    let mut kept = vec![];
+                    for seg in query.split('&') {
+                        let (k, v) = seg.split_once('=').unwrap_or((seg, ""));
+                        if !take(&percent_decode(k)?, &percent_decode(v)?)? {
+                            kept.push(seg);
+                        }
+                    }
+                    if kept.is_empty() {
+                        base.to_string()
+                    } else {
+                        format!("{base}?{}", kept.join("&"))
+                    }
                 }
             }
-            if kept.is_empty() {
-                u.set_query(None);
-            } else {
-                u.query_pairs_mut().clear().extend_pairs(kept);
-            }
-            u.to_string()
         } else {
             let mut kept = vec![];
             for word in url.split_whitespace() {
                 let used = match word.split_once('=') {
-                    Some((k, v)) => take(k.trim(), v.trim())?,
+                    Some((k, v)) => take(k.trim(), v.trim().trim_matches('\''))?,
                     None => false,
                 };
                 if !used {
                     kept.push(word);
                 }
+            }
+            // `sslmode = require` (spaces around `=`) is valid libpq; read
+            // wrongly it would fall back to `prefer`. Refuse it instead.
+            if kept
+                .iter()
+                .any(|w| w.starts_with("sslmode") || w.starts_with("sslrootcert"))
+            {
+                return Err(ConnectError::Settings(
+                    "write `sslmode=VALUE` and `sslrootcert=PATH` without spaces around `=` \
+                     in the connection string"
+                        .into(),
+                ));
             }
             kept.join(" ")
         };
@@ -339,6 +356,23 @@ impl PgUrl {
     /// handshake that checks the chain as this `sslmode` says (`None`: the
     /// certificate has no DNS name, or the server is not on TCP).
     pub async fn server_cert_name(&self) -> Result<Option<String>, ConnectError> {
+        // A peer that accepts and never answers (a balancer whose backend is
+        // down) must not hang the extractor: bounded like a connection.
+        let within = self
+            .config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(std::time::Duration::from_secs(30));
+        tokio::time::timeout(within, self.fetch_cert_name())
+            .await
+            .unwrap_or_else(|_| {
+                Err(ConnectError::Unreachable(format!(
+                    "fetching the server certificate: no answer within {within:?}"
+                )))
+            })
+    }
+
+    async fn fetch_cert_name(&self) -> Result<Option<String>, ConnectError> {
         let Some(tokio_postgres::config::Host::Tcp(host)) = self.config.get_hosts().first() else {
             return Ok(None);
         };
@@ -387,13 +421,26 @@ impl PgUrl {
         &self,
         what: &'static str,
     ) -> Result<tokio_postgres::Client, ConnectError> {
-        let tls = MakeRustlsConnect::new(self.rustls_config()?);
-        let (client, conn) = self.config.connect(tls).await.map_err(ConnectError::Db)?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "{what} connection closed");
-            }
-        });
+        let hosts = self.config.get_hosts();
+        let unix_only = !hosts.is_empty()
+            && !hosts
+                .iter()
+                .any(|h| matches!(h, tokio_postgres::config::Host::Tcp(_)));
+        let client = if unix_only {
+            let mut plain = self.config.clone();
+            plain.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            let (client, conn) = plain
+                .connect(tokio_postgres::NoTls)
+                .await
+                .map_err(ConnectError::Db)?;
+            tokio::spawn(log_close(conn, what));
+            client
+        } else {
+            let tls = MakeRustlsConnect::new(self.rustls_config()?);
+            let (client, conn) = self.config.connect(tls).await.map_err(ConnectError::Db)?;
+            tokio::spawn(log_close(conn, what));
+            client
+        };
         client
             .batch_execute(&session_formats_sql())
             .await
@@ -406,6 +453,36 @@ impl PgUrl {
     pub fn replication_options(&self) -> String {
         replication_options(self.config.get_options())
     }
+}
+
+/// Drives a connection until it closes; logs why it did.
+async fn log_close<F>(conn: F, what: &'static str)
+where
+    F: std::future::Future<Output = Result<(), tokio_postgres::Error>>,
+{
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "{what} connection closed");
+    }
+}
+
+/// Decodes the `%XX` escapes of a connection URL's query (as libpq and
+/// tokio-postgres do: `+` stays `+`).
+fn percent_decode(s: &str) -> Result<String, ConnectError> {
+    let bad = || ConnectError::Settings(format!("the connection URL has a bad escape in `{s}`"));
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = s.get(i + 1..i + 3).ok_or_else(bad)?;
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad())
 }
 
 /// The certificate checks of `verify-ca` (`chain`: the chain is checked,
@@ -524,6 +601,21 @@ mod tests {
         let e = PgUrl::parse("postgres://u@h/db?sslmode=verify_full").unwrap_err();
         assert!(e.to_string().contains("verify-full"), "{e}");
         assert!(!e.is_retryable());
+        // Kept parameters stay as written: `%20` is not re-encoded as `+`.
+        let o = PgUrl::parse("postgres://u@h/db?options=-c%20x%3Dy&sslmode=require").unwrap();
+        assert_eq!(o.config.get_options(), Some("-c x=y"));
+        assert_eq!(o.ssl_mode, SslMode::Require);
+        let root = PgUrl::parse("postgres://u@h/db?sslmode=verify-ca&sslrootcert=%2Fetc%2Fca.pem")
+            .unwrap();
+        assert_eq!(root.root_cert, Some(PathBuf::from("/etc/ca.pem")));
+        // Several hosts, as libpq and tokio-postgres take them.
+        let many = PgUrl::parse("postgres://u@h1:5432,h2:5433/db?sslmode=require").unwrap();
+        assert_eq!(many.config.get_hosts().len(), 2);
+        // Never a silent fall back to `prefer`.
+        let e = PgUrl::parse("host=h sslmode = require").unwrap_err();
+        assert!(e.to_string().contains("sslmode=VALUE"), "{e}");
+        let q = PgUrl::parse("host=h sslmode='require'").unwrap();
+        assert_eq!(q.ssl_mode, SslMode::Require);
         let e = PgUrl::parse("host=h port=notaport").unwrap_err();
         assert!(e.to_string().contains("invalid"), "{e}");
         assert!(!e.is_retryable(), "a bad URL stays bad: {e}");

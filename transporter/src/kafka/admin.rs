@@ -12,6 +12,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use skein_common::Op;
 use tracing::{info, warn};
 
 use super::codec::decode;
@@ -243,7 +244,10 @@ pub fn plan_replay(
             "reading the replayed range",
             |m| {
                 if let Ok(env) = decode(m.payload().unwrap_or_default()) {
-                    if let Some(r) = env.record {
+                    // A truncate notice's key is a partition number, not an
+                    // aggregate's: forgetting "its" version would delete the
+                    // version row of whatever aggregate has that key.
+                    if let Some(r) = env.record.filter(|r| r.op != Op::Truncate) {
                         affected.insert((r.entity.clone(), r.root_key.canonical()));
                     }
                 }
