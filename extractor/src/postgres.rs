@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use skein_common::config::{Config, OnTruncate, PostgresSource, Secret};
 use skein_common::{ChangeRecord, Op, PgLsn, RootKey, SourcePosition};
 use skein_sql::postgres::client::PgUrl;
@@ -138,8 +138,6 @@ pub struct PgSource {
     open_tx: Option<Tx>,
     /// Highest position known to hold nothing more for us (keepalive while idle).
     idle_upper: PgLsn,
-    /// `extractor.retention_warn_fraction`.
-    retention_warn: f64,
     /// When the retention was last checked.
     retention_checked: Option<Instant>,
 }
@@ -164,7 +162,6 @@ impl PgSource {
             relations: HashMap::new(),
             open_tx: None,
             idle_upper: PgLsn::ZERO,
-            retention_warn: cfg.extractor.retention_warn_fraction,
             retention_checked: None,
         })
     }
@@ -184,7 +181,10 @@ impl PgSource {
         let Some(r) = Retention::read(&self.client, &self.slot).await? else {
             return Ok(());
         };
-        if let Some(used) = r.used().filter(|u| *u >= self.retention_warn) {
+        if let Some(used) = r
+            .used()
+            .filter(|u| *u >= self.cfg.extractor.retention_warn_fraction)
+        {
             warn!(
                 slot = %self.slot,
                 retained_bytes = r.retained_bytes,
@@ -404,44 +404,19 @@ impl PgSource {
     /// commit ends at or before `start` is not sent again).
     pub async fn start_stream(&mut self, start: PgLsn) -> Result<()> {
         self.wait_for_the_slot().await?;
-        let url = PgUrl::parse(self.url.expose()).map_err(|source| Error::Connect {
+        let replication = |source| Error::Connect {
             what: "source (replication)",
             source,
-        })?;
-        let pg = &url.config;
-        let host = match pg.get_hosts().first() {
-            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-            #[cfg(unix)]
-            Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
-            None => "localhost".to_string(),
         };
-        let port = pg.get_ports().first().copied().unwrap_or(5432);
-        let password = pg
-            .get_password()
-            .map(|p| String::from_utf8_lossy(p).into_owned())
-            .unwrap_or_default();
-        let cfg = ReplicationConfig::new(
-            host,
-            pg.get_user().unwrap_or("postgres"),
-            password,
-            pg.get_dbname().unwrap_or("postgres"),
-            self.slot.clone(),
-            self.publication.clone(),
-        )
-        .with_port(port)
-        .with_options(url.replication_options())
-        .with_tls(
-            url.replication_tls()
-                .await
-                .map_err(|source| Error::Connect {
-                    what: "source (replication)",
-                    source,
-                })?,
-        )
-        .with_start_lsn(Lsn(start.as_u64()))
-        .with_ack_lsn(Lsn(start.as_u64()))
-        .with_status_interval(Duration::from_secs(1))
-        .with_wakeup_interval(Duration::from_secs(1));
+        let cfg = PgUrl::parse(self.url.expose())
+            .map_err(replication)?
+            .replication_config(&self.slot, &self.publication)
+            .await
+            .map_err(replication)?
+            .with_start_lsn(Lsn(start.as_u64()))
+            .with_ack_lsn(Lsn(start.as_u64()))
+            .with_status_interval(Duration::from_secs(1))
+            .with_wakeup_interval(Duration::from_secs(1));
         let client = ReplicationClient::connect(cfg)
             .await
             .map_err(|source| Error::Replication { source })?;
@@ -887,7 +862,7 @@ fn truncate_stop(tx: &Tx) -> Error {
              before the TRUNCATE reaches the stream; to keep TRUNCATE out of the stream, \
              publish only 'insert, update, delete' (what `skein sql source` prints with \
              `on_truncate: stop`).",
-            tx.changes.len(),
+            tx.changes.iter().filter(|c| c.op != Op::Truncate).count(),
             tx.end_lsn
         ),
     }

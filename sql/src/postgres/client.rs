@@ -316,6 +316,38 @@ impl PgUrl {
         Ok(roots)
     }
 
+    /// The replication connection of slot `slot` on publication
+    /// `publication`: the same server, role, database, `options` and TLS
+    /// as the queries'. Positions and intervals are the caller's.
+    pub async fn replication_config(
+        &self,
+        slot: &str,
+        publication: &str,
+    ) -> Result<pgwire_replication::ReplicationConfig, ConnectError> {
+        let pg = &self.config;
+        let host = match pg.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            #[cfg(unix)]
+            Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+            None => "localhost".to_string(),
+        };
+        let password = pg
+            .get_password()
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .unwrap_or_default();
+        Ok(pgwire_replication::ReplicationConfig::new(
+            host,
+            pg.get_user().unwrap_or("postgres"),
+            password,
+            pg.get_dbname().unwrap_or("postgres"),
+            slot,
+            publication,
+        )
+        .with_port(pg.get_ports().first().copied().unwrap_or(5432))
+        .with_options(self.replication_options())
+        .with_tls(self.replication_tls().await?))
+    }
+
     /// The replication connection's TLS settings, the same as the queries'.
     ///
     /// `verify-ca` checks the certificate chain and not the name. The
