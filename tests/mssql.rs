@@ -33,7 +33,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{admin_url, assert_exactly_once_in, assert_golden, connect, recreate_db, root, BIN};
+use common::{
+    admin_url, assert_exactly_once_in, assert_golden, connect, received, recreate_db, root, BIN,
+};
 use serde_json::Value;
 use skein_common::sqlvalue::SqlValue;
 use skein_sql::sqlserver::MssqlClient;
@@ -258,10 +260,13 @@ impl MsEnv {
 
     /// File-sink events, sentinel left out, `source` as on PostgreSQL.
     fn events(&self) -> Vec<Value> {
-        std::fs::read_to_string(self.dir.join("events.jsonl"))
+        let sent = std::fs::read_to_string(self.dir.join("events.jsonl"))
             .unwrap_or_default()
             .lines()
             .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .collect();
+        received(sent)
+            .into_iter()
             .filter(|e| e["subject"] != SENTINEL)
             .map(|mut e| {
                 if let Some(s) = e["source"].as_str() {
