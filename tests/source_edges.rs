@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 
 const FILES: Files = Files {
@@ -158,7 +160,7 @@ async fn truncate_stops_naming_its_position_and_the_command_that_skips_it() {
     let before = wal_lsn(&env).await;
     env.exec("TRUNCATE note").await;
     let after = wal_lsn(&env).await;
-    let status = run.wait_exit(std::time::Duration::from_secs(60));
+    let status = run.wait_exit(Duration::from_secs(60));
     assert!(!status.success());
     let log = env.log();
     assert!(log.contains("TRUNCATE of public.note"), "{log}");
@@ -306,7 +308,7 @@ async fn lag_near_the_slot_s_retention_warns() {
         ] {
             admin.batch_execute(sql).await.unwrap();
         }
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let env = Env::with_files("retention_warn", &FILES, TransportChoice::InProcess, |y| {
         y.replace(
@@ -343,4 +345,196 @@ async fn lag_near_the_slot_s_retention_warns() {
         "{}",
         env.log()
     );
+}
+
+/// The quickstart pipeline with batches of at most `max` changes.
+async fn small_batches(name: &str, max: usize) -> Env {
+    Env::new(name, move |y| {
+        y.replace(
+            "state_dir:",
+            &format!("extractor: {{ max_batch_changes: {max} }}\nstate_dir:"),
+        )
+    })
+    .await
+}
+
+/// One transaction: `n` customers, an address for every third and a line
+/// for every third address (a grandchild: resolved through a lookup).
+fn large_transaction(n: usize) -> String {
+    let mut sql = String::from("BEGIN;\n");
+    for i in 1..=n {
+        sql += &format!("INSERT INTO customer (id, name) VALUES ({i}, 'c{i}');\n");
+        if i % 3 == 0 {
+            sql += &format!("INSERT INTO address VALUES ({i}, {i}, 'home', 'City {i}');\n");
+            if i % 9 == 0 {
+                sql += &format!("INSERT INTO address_line VALUES ({i}, 1, 'Street {i}');\n");
+            }
+        }
+    }
+    sql + "COMMIT;"
+}
+
+/// Every customer 1..=n published once, created, with its latest state.
+async fn each_customer_once(env: &Env, n: usize) {
+    let events = env.events();
+    assert_eq!(events.len(), n, "one event per customer");
+    for i in 1..=n {
+        let mine: Vec<_> = events
+            .iter()
+            .filter(|e| e["subject"] == format!("customer.{i}"))
+            .collect();
+        assert_eq!(mine.len(), 1, "customer {i}: {mine:?}");
+        let e = mine[0];
+        assert_eq!(e["action"], "created", "{e}");
+        let addresses = e["data"]["addresses"].as_array().unwrap();
+        assert_eq!(
+            addresses.len(),
+            usize::from(i % 3 == 0),
+            "customer {i}: {e}"
+        );
+        if i % 9 == 0 {
+            assert_eq!(addresses[0]["lines"].as_array().unwrap().len(), 1, "{e}");
+        }
+    }
+    assert_exactly_once(env).await;
+}
+
+/// How many changes each acknowledged part had handed over, in log order
+/// (the last part of a transaction logs no such line).
+fn acked_parts(env: &Env) -> Vec<u64> {
+    env.log()
+        .lines()
+        .filter(|l| l.contains("part of a large transaction acknowledged"))
+        .filter_map(|l| {
+            l.split("handed_over=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Records the appliers applied (re-sent ones dropped by position are not
+/// counted).
+async fn applied_records(env: &Env) -> i64 {
+    env.db
+        .query_one("SELECT sum(record_count)::int8 FROM skein.batch", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Records of [`large_transaction`]`(150)`: one per change (150 customers,
+/// 50 addresses, 16 address lines).
+const LARGE_RECORDS: i64 = 216;
+
+/// A transaction of many batches' changes goes through in parts: memory
+/// holds one part (the rest waits on disk), each aggregate publishes once
+/// with its final state, and the marker ends at the transaction's end.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_larger_than_a_batch_is_handed_over_in_parts() {
+    let env = small_batches("large_tx", 20).await;
+    let mut run = env.start().await;
+    env.step(&mut run, &large_transaction(150)).await;
+    run.stop(&env);
+    let log = env.log();
+    assert!(
+        log.contains("handing it over in parts"),
+        "the transaction was not split:\n{log}"
+    );
+    // 216 changes, 20 a part: 10 parts before the last.
+    assert_eq!(
+        acked_parts(&env),
+        (1..=10).map(|i| i * 20).collect::<Vec<u64>>(),
+        "{log}"
+    );
+    each_customer_once(&env, 150).await;
+    assert_eq!(applied_records(&env).await, LARGE_RECORDS);
+    let marker = env.skein_ok(&["marker", "show"]);
+    assert!(!marker.contains("in flight"), "{marker}");
+    let spill = env.dir.join("state/spill");
+    assert_eq!(
+        std::fs::read_dir(&spill).unwrap().count(),
+        0,
+        "the spill file outlived its transaction"
+    );
+}
+
+/// A crash after some parts were handed over and marked: the restart
+/// reads the transaction again but sends only what was not handed over —
+/// no part is redone, nothing is lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_inside_a_large_transaction_resumes_after_what_was_handed_over() {
+    let env = small_batches("large_tx_crash", 20).await;
+    let run = env.start().await;
+    run.stop(&env);
+    let run = env
+        .start_with(&[("SKEIN_FAILPOINT", "extractor.after_part_marker:4")])
+        .await;
+    env.exec(&large_transaction(150)).await;
+    let status = run.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "the failpoint must abort the extractor");
+    let marker = env.skein_ok(&["marker", "show"]);
+    assert!(
+        marker.contains("in flight: 80 changes"),
+        "four parts of 20 are handed over: {marker}"
+    );
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert!(
+        env.log().contains("what was handed over of it is skipped"),
+        "{}",
+        env.log()
+    );
+    // Each part once: 4 before the crash, the rest after it.
+    assert_eq!(
+        acked_parts(&env),
+        (1..=10).map(|i| i * 20).collect::<Vec<u64>>(),
+        "parts were sent again:\n{}",
+        env.log()
+    );
+    each_customer_once(&env, 150).await;
+    assert_eq!(applied_records(&env).await, LARGE_RECORDS);
+}
+
+/// A crash after a part was acknowledged but before the marker: that part
+/// is sent again, and the appliers drop it by its records' positions —
+/// though, in-process, it moved no partition's progress.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_part_sent_again_after_a_crash_is_dropped_by_position() {
+    let env = small_batches("large_tx_resend", 20).await;
+    let run = env.start().await;
+    run.stop(&env);
+    let run = env
+        .start_with(&[(
+            "SKEIN_FAILPOINT",
+            "extractor.after_part_ack_before_marker:3",
+        )])
+        .await;
+    env.exec(&large_transaction(150)).await;
+    let status = run.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "the failpoint must abort the extractor");
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    // Part 3 (up to change 60) went twice, and was applied once.
+    assert_eq!(
+        acked_parts(&env),
+        [20, 40, 60, 80, 100, 120, 140, 160, 180, 200],
+        "{}",
+        env.log()
+    );
+    let log = env.log();
+    let restart = log
+        .find("failpoint `extractor.after_part_ack_before_marker` reached")
+        .expect("the failpoint fired");
+    assert!(
+        log[restart..].contains("handed_over=60 "),
+        "part 3 was not sent again:\n{log}"
+    );
+    each_customer_once(&env, 150).await;
+    assert_eq!(applied_records(&env).await, LARGE_RECORDS);
 }

@@ -37,9 +37,14 @@ pub enum Fresh {
 
 /// Decides what of `d` is new given the partition's committed progress.
 ///
-/// * A delivery whose `upper` is at or before the progress was applied.
+/// * A delivery whose `upper` is at or before the progress was applied
+///   (in-process: before it, or at it with no record after the last
+///   source change applied).
 /// * In-process ([`Checkpoint::Source`]) a record is new when its commit
-///   position is after the progress (batches hold whole transactions).
+///   position is after the progress (batches hold whole transactions) and
+///   its change position after the last source change applied: a part of
+///   a transaction too large for one batch does not move the progress
+///   (its `upper` is its `lower`), only the last source change.
 /// * Over Kafka ([`Checkpoint::Offset`]) offsets say nothing about source
 ///   order, so a record is new when its change position is after the last
 ///   source change applied ([`Progress::source`]): an extractor that
@@ -52,25 +57,32 @@ pub enum Fresh {
 ///   slice writes nothing.
 pub fn fresh(d: &Delivery, committed: Option<&Progress>) -> Fresh {
     let floor = committed.map(|p| p.position);
-    if floor.is_some_and(|f| d.upper.numeric() <= f) {
+    let by_offset = matches!(d.upper, Checkpoint::Offset(_));
+    let upper = d.upper.numeric();
+    if floor.is_some_and(|f| upper < f || (by_offset && upper == f)) {
         return Fresh::Applied;
     }
     let applied_source = committed.and_then(|p| p.source);
-    let by_offset = matches!(d.upper, Checkpoint::Offset(_));
     let mut seen = HashSet::new();
     let records: Vec<ChangeRecord> = d
         .records
         .iter()
         .filter(|r| {
+            let after_source = applied_source.is_none_or(|s| r.position > s);
             if by_offset {
-                applied_source.is_none_or(|s| r.position > s)
+                after_source
             } else {
-                floor.is_none_or(|f| r.position.commit.numeric() > f)
+                after_source && floor.is_none_or(|f| r.position.commit.numeric() > f)
             }
         })
         .filter(|r| seen.insert((r.position, &r.entity, &r.root_key)))
         .cloned()
         .collect();
+    if !by_offset && floor == Some(upper) && records.is_empty() {
+        // Sent again (an extractor that crashed before its marker): its
+        // data-loss notice and dead letters were recorded with it.
+        return Fresh::Applied;
+    }
     let dropped = d.records.len() - records.len();
     if records.is_empty()
         && !d.has_data_loss
@@ -187,6 +199,42 @@ mod tests {
         assert!(
             matches!(f, Fresh::Apply { dropped: 2, source_after: Some(p), .. } if p == pos(40, 0))
         );
+    }
+
+    #[test]
+    fn in_process_the_parts_of_a_large_transaction_apply_once_each() {
+        // Transaction ending at 50 after the marker at 10, in three parts:
+        // the first two complete nothing (upper == lower == 10).
+        let part1 = src(10, 10, vec![rec("1", 50, 0), rec("2", 50, 1)]);
+        let part2 = src(10, 10, vec![rec("3", 50, 2), rec("4", 50, 3)]);
+        let last = src(10, 50, vec![rec("5", 50, 4)]);
+        let before = progress(10, Some(pos(10, 7)));
+        assert_eq!(keys(&fresh(&part1, Some(&before))), vec![(50, 0), (50, 1)]);
+        let after1 = progress(10, Some(pos(50, 1)));
+        // Part 1 sent again (an extractor crash before its marker): applied.
+        assert_eq!(fresh(&part1, Some(&after1)), Fresh::Applied);
+        assert_eq!(keys(&fresh(&part2, Some(&after1))), vec![(50, 2), (50, 3)]);
+        let after2 = progress(10, Some(pos(50, 3)));
+        assert_eq!(keys(&fresh(&last, Some(&after2))), vec![(50, 4)]);
+        // The whole transaction sent again as one batch (a marker that lost
+        // its part): only what no part applied.
+        let whole = src(
+            10,
+            50,
+            vec![rec("1", 50, 0), rec("3", 50, 2), rec("5", 50, 4)],
+        );
+        assert_eq!(keys(&fresh(&whole, Some(&after2))), vec![(50, 4)]);
+        // After the last part, everything of it is applied.
+        let done = progress(50, Some(pos(50, 4)));
+        assert_eq!(fresh(&whole, Some(&done)), Fresh::Applied);
+        assert_eq!(fresh(&part2, Some(&done)), Fresh::Applied);
+    }
+
+    #[test]
+    fn in_process_a_resent_data_loss_notice_is_not_recorded_twice() {
+        let mut d = src(10, 20, vec![]);
+        d.has_data_loss = true;
+        assert_eq!(fresh(&d, Some(&progress(20, None))), Fresh::Applied);
     }
 
     #[test]

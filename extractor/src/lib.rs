@@ -16,6 +16,7 @@ pub mod marker;
 pub mod pgoutput;
 pub mod postgres;
 pub mod resolve;
+pub mod spill;
 pub mod sqlserver;
 
 use std::future::Future;
@@ -30,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, Instrument};
 
 pub use error::{Error, Result};
-pub use marker::{Marker, MarkerStore, SledMarkerStore};
+pub use marker::{InFlight, Marker, MarkerStore, SledMarkerStore};
 pub use postgres::PgSource;
 pub use sqlserver::MssqlSource;
 
@@ -47,7 +48,9 @@ pub struct StartPoint {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchLimits {
     /// Close the batch at the first transaction boundary at or past this
-    /// many changes (a larger single transaction is taken whole).
+    /// many changes. A larger transaction is handed over in parts of this
+    /// many changes, each a batch of its own ([`ReadBatch::in_flight`]):
+    /// memory holds one part, whatever the transaction's size.
     pub max_changes: usize,
     /// Close it when the source has been quiet this long after something arrived.
     pub linger: Duration,
@@ -56,11 +59,17 @@ pub struct BatchLimits {
     pub max_wait: Duration,
 }
 
-/// One batch read and resolved: whole transactions in `(lower, upper]`.
+/// One batch read and resolved: whole transactions in `(lower, upper]`,
+/// or one part of a transaction too large for one batch.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReadBatch {
     /// Inclusive upper bound; equal to `lower` when nothing happened.
+    /// For a part of a large transaction, the transaction's end.
     pub upper: Option<SourcePosition>,
+    /// A part of a large transaction that is not its last: how much of it
+    /// is handed over with this batch. The marker keeps its position and
+    /// records this; the transaction's last part has `None`.
+    pub in_flight: Option<InFlight>,
     /// Transactions read.
     pub transactions: usize,
     /// Row changes read.
@@ -73,10 +82,13 @@ pub struct ReadBatch {
 /// CDC.
 ///
 /// Contract: `next_batch(lower)` returns every change of every transaction
-/// that committed in `(lower, upper]`, whole transactions only, in commit
-/// order, resolved to root keys; calling it again with the same `lower`
-/// (after a crash) returns the same records for the transactions it
-/// covers. `confirm(upper)` tells the source it may release what lies at
+/// that committed in `(lower, upper]`, in commit order, resolved to root
+/// keys; calling it again with the same `lower` (after a crash) returns the
+/// same records for the transactions it covers. A transaction of more than
+/// `max_changes` changes comes in parts, one per batch, its records'
+/// positions increasing across them; every part but the last says how far
+/// it got ([`ReadBatch::in_flight`]), and `start` with that skips what was
+/// handed over. `confirm(upper)` tells the source it may release what lies at
 /// or before `upper`; it is called only after the marker holding `upper`
 /// is durable, and may be a no-op.
 pub trait ChangeSource {
@@ -94,8 +106,13 @@ pub trait ChangeSource {
         floor: Option<SourcePosition>,
         continue_with_data_loss: bool,
     ) -> impl Future<Output = Result<StartPoint>> + Send;
-    /// Starts reading after `from`.
-    fn start(&mut self, from: SourcePosition) -> impl Future<Output = Result<()>> + Send;
+    /// Starts reading after `from`, skipping what `in_flight` says was
+    /// handed over of the transaction after it.
+    fn start(
+        &mut self,
+        from: SourcePosition,
+        in_flight: Option<InFlight>,
+    ) -> impl Future<Output = Result<()>> + Send;
     /// The next batch after `lower`.
     fn next_batch(
         &mut self,
@@ -154,10 +171,10 @@ impl ChangeSource for AnySource {
         }
     }
 
-    async fn start(&mut self, from: SourcePosition) -> Result<()> {
+    async fn start(&mut self, from: SourcePosition, in_flight: Option<InFlight>) -> Result<()> {
         match self {
-            AnySource::Postgres(s) => s.start(from).await,
-            AnySource::SqlServer(s) => s.start(from).await,
+            AnySource::Postgres(s) => s.start(from, in_flight).await,
+            AnySource::SqlServer(s) => s.start(from, in_flight).await,
         }
     }
 
@@ -258,12 +275,19 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
         // the marker by a reset (or a start that crashed before sending).
         let mut pending_loss =
             start.data_loss || stored.as_ref().is_some_and(|m| m.loss_unreported);
+        // What was handed over of a transaction in flight holds only
+        // while the marker's position does.
+        let in_flight = stored
+            .as_ref()
+            .filter(|m| m.position == start.position)
+            .and_then(|m| m.in_flight);
         if stored.as_ref().map(|m| m.position) != Some(start.position) {
             let m = Marker {
                 position: start.position,
                 has_data_loss,
                 updated_at: marker::now_stamp(),
                 loss_unreported: pending_loss,
+                in_flight: None,
             };
             if start.data_loss {
                 markers.reset(&m)?;
@@ -271,8 +295,13 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
                 markers.store(&m)?;
             }
         }
-        source.start(start.position).await?;
-        info!(position = %start.position, data_loss = start.data_loss, "extractor started");
+        source.start(start.position, in_flight).await?;
+        match &in_flight {
+            None => info!(position = %start.position, data_loss = start.data_loss, "extractor started"),
+            Some(f) => info!(position = %start.position, data_loss = start.data_loss,
+                in_flight_end = %f.end, in_flight_changes = f.changes,
+                "extractor started; the transaction in flight is read again from its start and what was handed over of it is skipped"),
+        }
         let mut lower = start.position;
         let mut seq = 0u64;
         let limits = BatchLimits {
@@ -291,28 +320,45 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
                 continue;
             };
             let record_count = batch.records.len();
+            // A part of a transaction in flight completes nothing past
+            // `lower`: the marker, the slot and the batch's upper bound stay.
+            let done = if batch.in_flight.is_some() {
+                lower
+            } else {
+                upper
+            };
             if !batch.records.is_empty() || pending_loss {
                 seq += 1;
                 transport
                     .send(Batch {
                         seq,
                         lower,
-                        upper,
+                        upper: done,
                         has_data_loss: pending_loss,
                         records: batch.records,
                     })
                     .await?;
             }
             failpoint("extractor.after_ack_before_marker");
+            if batch.in_flight.is_some() {
+                failpoint("extractor.after_part_ack_before_marker");
+            }
             // Whatever loss was pending went with this batch (a batch is
             // sent whenever one is pending), acknowledged.
             markers.store(&Marker {
-                position: upper,
+                position: done,
                 has_data_loss,
                 updated_at: marker::now_stamp(),
                 loss_unreported: false,
+                in_flight: batch.in_flight,
             })?;
-            source.confirm(upper);
+            if let Some(f) = batch.in_flight {
+                info!(batch = seq, end = %f.end, handed_over = f.changes, records = record_count,
+                    "part of a large transaction acknowledged");
+                failpoint("extractor.after_part_marker");
+            } else {
+                source.confirm(done);
+            }
             pending_loss = false;
             if batch.transactions > 0 {
                 info!(
@@ -326,7 +372,7 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
                     "batch acknowledged"
                 );
             }
-            lower = upper;
+            lower = done;
         }
         info!(position = %lower, "extractor stopped");
         Ok(())

@@ -26,6 +26,31 @@ pub struct Marker {
     /// markers written before it existed.
     #[serde(default)]
     pub loss_unreported: bool,
+    /// A transaction larger than one batch, after `position`, handed over
+    /// in part: a restart reads it again and skips what was handed over.
+    /// Absent in markers written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight: Option<InFlight>,
+}
+
+/// How much of a transaction too large for one batch is handed over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct InFlight {
+    /// Where its commit record starts (PostgreSQL: the Begin message's
+    /// final LSN): what tells the transaction when the stream sends it
+    /// again, before its end is known.
+    pub commit: SourcePosition,
+    /// Its position: the end of its commit record.
+    pub end: SourcePosition,
+    /// How many of its changes, in stream order, are handed over.
+    pub changes: u64,
+}
+
+impl Marker {
+    /// Where the marker stands, in the order it may only move forward.
+    fn progress(&self) -> (SourcePosition, Option<InFlight>) {
+        (self.position, self.in_flight)
+    }
 }
 
 /// Where the marker lives.
@@ -125,10 +150,11 @@ impl MarkerStore for SledMarkerStore {
                     cur.position, marker.position
                 )));
             }
-            if marker.position < cur.position {
+            if marker.progress() < cur.progress() {
                 return Err(self.err(format!(
                     "refusing to move the marker back from {} to {} (use `skein marker reset`)",
-                    cur.position, marker.position
+                    describe(&cur),
+                    describe(marker)
                 )));
             }
         }
@@ -137,6 +163,18 @@ impl MarkerStore for SledMarkerStore {
 
     fn reset(&self, marker: &Marker) -> Result<()> {
         self.write(marker)
+    }
+}
+
+/// The marker's position, with what is handed over of a transaction in
+/// flight.
+pub fn describe(m: &Marker) -> String {
+    match &m.in_flight {
+        None => m.position.to_string(),
+        Some(f) => format!(
+            "{} (and {} changes of the transaction ending at {})",
+            m.position, f.changes, f.end
+        ),
     }
 }
 
@@ -160,6 +198,7 @@ mod tests {
             position: PgLsn(p).into(),
             has_data_loss: false,
             updated_at: now_stamp(),
+            in_flight: None,
         }
     }
 
@@ -176,6 +215,21 @@ mod tests {
                 SledMarkerStore::open(&dir),
                 Err(Error::StateLocked { .. })
             ));
+            // Inside a transaction in flight, forward only too.
+            let part = |changes| Marker {
+                in_flight: Some(InFlight {
+                    commit: PgLsn(20).into(),
+                    end: PgLsn(30).into(),
+                    changes,
+                }),
+                ..m(10)
+            };
+            s.store(&part(100)).unwrap();
+            s.store(&part(200)).unwrap();
+            assert!(s.store(&part(100)).is_err());
+            assert!(s.store(&m(10)).is_err(), "forgetting the part handed over");
+            assert_eq!(s.load().unwrap().unwrap().in_flight, part(200).in_flight);
+            s.store(&m(30)).unwrap();
             s.reset(&m(5)).unwrap();
             assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5).into());
         }

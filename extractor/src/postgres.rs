@@ -18,8 +18,9 @@ use tracing::{info, warn};
 use crate::error::{src, Error, Result};
 use crate::pgoutput::{self, Message, Relation};
 pub use crate::resolve::RawChange;
-use crate::resolve::{BatchResolution, EntityPlan, TableIndex, TxMeta};
-use crate::{BatchLimits, ChangeSource, ReadBatch, StartPoint};
+use crate::resolve::{is_tracked, BatchResolution, EntityPlan, TableIndex, TxMeta};
+use crate::spill::{self, SpillReader, SpillWriter, Spilled};
+use crate::{BatchLimits, ChangeSource, InFlight, ReadBatch, StartPoint};
 
 /// Microseconds between the Unix epoch and PostgreSQL's epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -45,11 +46,14 @@ pub async fn load_catalog(client: &tokio_postgres::Client, cfg: &Config) -> Resu
         .map_err(src("reading the catalog"))
 }
 
-/// One committed transaction.
+/// One committed transaction, or a part of one.
 #[derive(Clone, Debug)]
 pub struct Tx {
     /// Transaction id.
     pub xid: u32,
+    /// Start of the commit record (the Begin message's final LSN): tells
+    /// the transaction before its end is known.
+    pub commit_lsn: PgLsn,
     /// End of the commit record: the transaction's position.
     pub end_lsn: PgLsn,
     /// Commit time, microseconds since the Unix epoch.
@@ -61,6 +65,118 @@ pub struct Tx {
     pub unchanged: Vec<(usize, Vec<String>)>,
     /// Tables the transaction truncated (`schema.table`).
     pub truncated: Vec<String>,
+    /// Changes of the transaction before `changes[0]` that are not here:
+    /// handed over in earlier parts, or before a restart.
+    pub before: u64,
+    /// How many of those are tracked ([`is_tracked`]): this part's records
+    /// number on from theirs.
+    pub before_tracked: u32,
+}
+
+impl Tx {
+    /// A transaction begun at `commit_lsn`, no change yet.
+    fn begin(xid: u32, commit_lsn: PgLsn, commit_time_micros: i64) -> Tx {
+        Tx {
+            xid,
+            commit_lsn,
+            end_lsn: PgLsn::ZERO,
+            commit_time_micros,
+            changes: vec![],
+            unchanged: vec![],
+            truncated: vec![],
+            before: 0,
+            before_tracked: 0,
+        }
+    }
+
+    /// Takes the changes out, each with its unchanged TOAST columns.
+    fn take_changes(&mut self) -> impl Iterator<Item = Spilled> {
+        let mut unchanged: HashMap<usize, Vec<String>> = self.unchanged.drain(..).collect();
+        std::mem::take(&mut self.changes)
+            .into_iter()
+            .enumerate()
+            .map(move |(i, change)| Spilled {
+                change,
+                unchanged: unchanged.remove(&i),
+            })
+    }
+}
+
+impl Arriving {
+    /// Takes in the open transaction's newest changes: skips what the
+    /// marker says was handed over of it before a restart, and spills its
+    /// changes to disk once they fill a batch.
+    fn absorb(&mut self, tx: &mut Tx, by_table: &TableIndex, max_changes: usize) -> Result<()> {
+        if let Some(r) = self.resume.filter(|r| r.commit == tx.commit_lsn.into()) {
+            let skip = usize::try_from(r.changes.saturating_sub(tx.before))
+                .unwrap_or(usize::MAX)
+                .min(tx.changes.len());
+            if skip > 0 {
+                let tracked = tx.changes[..skip]
+                    .iter()
+                    .filter(|c| is_tracked(by_table, c))
+                    .count();
+                tx.before_tracked += u32::try_from(tracked).unwrap_or(u32::MAX);
+                tx.before += skip as u64;
+                tx.changes.drain(..skip);
+                tx.unchanged.retain_mut(|(i, _)| {
+                    let keep = *i >= skip;
+                    *i = i.wrapping_sub(skip);
+                    keep
+                });
+            }
+        }
+        if tx.changes.len() < max_changes.max(1) {
+            return Ok(());
+        }
+        let w = match &mut self.spill {
+            Some(w) => w,
+            None => {
+                let dir = self.spill_dir.as_ref().ok_or_else(|| {
+                    Error::Decode("a large transaction arrived before the stream started".into())
+                })?;
+                info!(
+                    xid = tx.xid,
+                    "a transaction larger than one batch is arriving; spilling it to disk"
+                );
+                self.spill.insert(SpillWriter::create(
+                    dir,
+                    &format!("tx-{}-{:X}", tx.xid, tx.commit_lsn.as_u64()),
+                )?)
+            }
+        };
+        w.write(tx.take_changes())
+    }
+
+    /// Checks a committed transaction against the one the marker had in
+    /// flight: the stream must send it again whole, as before.
+    fn resumed(&mut self, tx: &Tx) -> Result<()> {
+        let Some(r) = self.resume.filter(|r| r.commit == tx.commit_lsn.into()) else {
+            return Ok(());
+        };
+        self.resume = None;
+        if r.end != tx.end_lsn.into() || tx.before < r.changes {
+            return Err(Error::Decode(format!(
+                "the transaction in flight at the last stop (commit {}, end {}, {} changes handed \
+                 over) came back ending at {} with {} changes: the source sent it differently",
+                r.commit,
+                r.end,
+                r.changes,
+                tx.end_lsn,
+                tx.before + tx.changes.len() as u64
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A committed transaction too large for one batch, handed over a part per
+/// batch from its spill file.
+#[derive(Debug)]
+struct Draining {
+    /// The transaction, without changes.
+    tx: Tx,
+    reader: SpillReader,
 }
 
 /// Whole transactions in `(lower, upper]`.
@@ -140,6 +256,24 @@ pub struct PgSource {
     idle_upper: PgLsn,
     /// When the retention was last checked.
     retention_checked: Option<Instant>,
+    /// The open transaction, when it is large.
+    large: Arriving,
+    /// A large committed transaction being handed over in parts.
+    draining: Option<Draining>,
+}
+
+/// What becomes of the open transaction's changes as they arrive.
+#[derive(Debug, Default)]
+struct Arriving {
+    /// Where large transactions are spilled (`state_dir/spill`), prepared
+    /// by `start`: only the extractor, which holds the state directory's
+    /// lock, uses it.
+    spill_dir: Option<std::path::PathBuf>,
+    /// The open transaction's changes past one batch, on disk.
+    spill: Option<SpillWriter>,
+    /// From the marker: the transaction in flight at the last stop, and
+    /// how many of its changes to skip when the stream sends it again.
+    resume: Option<InFlight>,
 }
 
 impl PgSource {
@@ -163,6 +297,8 @@ impl PgSource {
             open_tx: None,
             idle_upper: PgLsn::ZERO,
             retention_checked: None,
+            large: Arriving::default(),
+            draining: None,
         })
     }
 
@@ -476,18 +612,16 @@ impl PgSource {
             };
             match ev {
                 ReplicationEvent::Begin {
+                    final_lsn,
                     xid,
                     commit_time_micros,
-                    ..
                 } => {
-                    current = Some(Tx {
+                    self.large.spill = None;
+                    current = Some(Tx::begin(
                         xid,
-                        end_lsn: PgLsn::ZERO,
-                        commit_time_micros: commit_time_micros + PG_EPOCH_OFFSET_MICROS,
-                        changes: vec![],
-                        unchanged: vec![],
-                        truncated: vec![],
-                    });
+                        PgLsn(final_lsn.0),
+                        commit_time_micros + PG_EPOCH_OFFSET_MICROS,
+                    ));
                 }
                 ReplicationEvent::Commit {
                     end_lsn,
@@ -500,11 +634,25 @@ impl PgSource {
                     tx.end_lsn = PgLsn(end_lsn.0);
                     tx.commit_time_micros = commit_time_micros + PG_EPOCH_OFFSET_MICROS;
                     count += tx.changes.len();
+                    self.large.resumed(&tx)?;
+                    let spilled = self.large.spill.take();
                     if tx.end_lsn > lower {
                         if !tx.truncated.is_empty()
                             && self.cfg.extractor.on_truncate == OnTruncate::Stop
                         {
                             return Err(truncate_stop(&tx));
+                        }
+                        if let Some(mut w) = spilled {
+                            // Handed over in parts, after the transactions
+                            // before it.
+                            w.write(tx.take_changes())?;
+                            info!(xid = tx.xid, end = %tx.end_lsn, changes = tx.before + w.count(),
+                                "a large transaction committed; handing it over in parts");
+                            self.draining = Some(Draining {
+                                tx,
+                                reader: w.finish()?,
+                            });
+                            break;
                         }
                         txs.push(tx);
                     }
@@ -519,6 +667,9 @@ impl PgSource {
                             relation_changed(self.relations.get(&r.oid), r, &self.catalog);
                     }
                     handle(&mut self.relations, msg, current.as_mut())?;
+                    if let Some(tx) = current.as_mut() {
+                        self.large.absorb(tx, &self.by_table, max_changes)?;
+                    }
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } if current.is_none() => {
                     self.idle_upper = self.idle_upper.max(PgLsn(wal_end.0));
@@ -534,7 +685,7 @@ impl PgSource {
         // A keepalive seen while no transaction was open says nothing more
         // for us committed before it: the marker may move there, which lets
         // the slot release WAL on an otherwise quiet publication.
-        if self.open_tx.is_none() && self.idle_upper > upper {
+        if self.open_tx.is_none() && self.draining.is_none() && self.idle_upper > upper {
             upper = self.idle_upper;
         }
         Ok(SourceBatch {
@@ -542,6 +693,54 @@ impl PgSource {
             upper: upper.max(lower),
             txs,
         })
+    }
+
+    /// The next part of the large transaction being handed over.
+    fn next_part(
+        &mut self,
+        lower: PgLsn,
+        max_changes: usize,
+    ) -> Result<Option<(SourceBatch, Option<InFlight>)>> {
+        let Some(d) = self.draining.as_mut() else {
+            return Ok(None);
+        };
+        let part = d.reader.read(max_changes.max(1))?;
+        let mut tx = Tx {
+            changes: vec![],
+            unchanged: vec![],
+            truncated: vec![],
+            ..d.tx.clone()
+        };
+        for (i, c) in part.into_iter().enumerate() {
+            if let Some(u) = c.unchanged {
+                tx.unchanged.push((i, u));
+            }
+            tx.changes.push(c.change);
+        }
+        let tracked = tx
+            .changes
+            .iter()
+            .filter(|c| is_tracked(&self.by_table, c))
+            .count();
+        d.tx.before += tx.changes.len() as u64;
+        d.tx.before_tracked += u32::try_from(tracked).unwrap_or(u32::MAX);
+        let in_flight = (d.reader.remaining() > 0).then(|| InFlight {
+            commit: d.tx.commit_lsn.into(),
+            end: d.tx.end_lsn.into(),
+            changes: d.tx.before,
+        });
+        if in_flight.is_none() {
+            self.draining = None;
+        }
+        let upper = tx.end_lsn;
+        Ok(Some((
+            SourceBatch {
+                lower,
+                upper,
+                txs: vec![tx],
+            },
+            in_flight,
+        )))
     }
 
     /// Fills in, from the source by primary key, the key and join columns
@@ -673,11 +872,14 @@ impl PgSource {
     /// with one lookup query per (entity, table) for children whose root is
     /// not in their own columns.
     pub async fn resolve(&self, batch: &SourceBatch) -> Result<Vec<ChangeRecord>> {
-        let mut res = BatchResolution::new(
+        let mut res = BatchResolution::new_from(
             &self.plans,
             &self.by_table,
             self.cfg.transport.partitions(),
-            batch.txs.iter().map(|t| t.changes.as_slice()),
+            batch
+                .txs
+                .iter()
+                .map(|t| (t.changes.as_slice(), t.before_tracked)),
         )?;
         for gi in 0..res.lookups().len() {
             let g = &res.lookups()[gi];
@@ -804,7 +1006,19 @@ impl ChangeSource for PgSource {
             .await
     }
 
-    async fn start(&mut self, from: SourcePosition) -> Result<()> {
+    async fn start(&mut self, from: SourcePosition, in_flight: Option<InFlight>) -> Result<()> {
+        if let Some(f) = in_flight {
+            f.commit
+                .pg()
+                .and(f.end.pg())
+                .map_err(|e| Error::Decode(format!("the marker's transaction in flight: {e}")))?;
+        }
+        (self.open_tx, self.draining) = (None, None);
+        self.large = Arriving {
+            spill_dir: Some(spill::prepare_dir(&self.cfg.state_dir)?),
+            spill: None,
+            resume: in_flight,
+        };
         self.start_stream(from.pg().map_err(|e| Error::Decode(e.to_string()))?)
             .await
     }
@@ -816,9 +1030,26 @@ impl ChangeSource for PgSource {
     ) -> Result<ReadBatch> {
         let lower = lower.pg().map_err(|e| Error::Decode(e.to_string()))?;
         self.check_retention().await?;
-        let mut batch = self
-            .read_transactions(lower, limits.max_changes, limits.linger, limits.max_wait)
-            .await?;
+        let mut in_flight = None;
+        let mut batch = match self.next_part(lower, limits.max_changes)? {
+            Some((part, f)) => {
+                in_flight = f;
+                part
+            }
+            None => {
+                let batch = self
+                    .read_transactions(lower, limits.max_changes, limits.linger, limits.max_wait)
+                    .await?;
+                match self.next_part(lower, limits.max_changes)? {
+                    // A large transaction committed first thing.
+                    Some((part, f)) if batch.txs.is_empty() => {
+                        in_flight = f;
+                        part
+                    }
+                    _ => batch,
+                }
+            }
+        };
         if batch.upper <= lower {
             return Ok(ReadBatch::default());
         }
@@ -829,9 +1060,15 @@ impl ChangeSource for PgSource {
         let records = self.resolve(&batch).await?;
         Ok(ReadBatch {
             upper: Some(batch.upper.into()),
-            transactions: batch.txs.len(),
+            // A part that is not the last completes no transaction.
+            transactions: if in_flight.is_some() {
+                0
+            } else {
+                batch.txs.len()
+            },
             changes: batch.change_count(),
             records,
+            in_flight,
         })
     }
 

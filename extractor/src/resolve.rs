@@ -160,7 +160,8 @@ pub fn resolve(
 }
 
 /// One captured row change inside a transaction, before resolution.
-#[derive(Clone, Debug)]
+/// Serializable: a large transaction's changes wait on disk for their part.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct RawChange {
     /// `(schema, table)`.
     pub table: (String, String),
@@ -185,6 +186,12 @@ pub struct TxMeta {
 
 /// Which (entity plan, node) pairs each tracked table feeds.
 pub type TableIndex = HashMap<(String, String), Vec<(usize, usize)>>;
+
+/// Whether a change counts in its transaction's record numbering: a change
+/// of a table some entity reads.
+pub fn is_tracked(by_table: &TableIndex, change: &RawChange) -> bool {
+    by_table.contains_key(&change.table)
+}
 
 /// Builds the [`TableIndex`] of a set of plans.
 pub fn table_index(plans: &[EntityPlan]) -> TableIndex {
@@ -267,13 +274,27 @@ impl BatchResolution {
         partitions: u32,
         txs: impl IntoIterator<Item = &'a [RawChange]>,
     ) -> Result<BatchResolution> {
+        Self::new_from(plans, by_table, partitions, txs.into_iter().map(|t| (t, 0)))
+    }
+
+    /// [`BatchResolution::new`] where a transaction may be a later part of
+    /// one too large for one batch: each comes with how many tracked
+    /// changes ([`is_tracked`]) of it came before, so its records number
+    /// on from the earlier parts'.
+    pub fn new_from<'a>(
+        plans: &[EntityPlan],
+        by_table: &TableIndex,
+        partitions: u32,
+        txs: impl IntoIterator<Item = (&'a [RawChange], u32)>,
+    ) -> Result<BatchResolution> {
         let mut out = BatchResolution::default();
         let mut group_of: HashMap<(usize, usize), usize> = HashMap::new();
-        for (ti, changes) in txs.into_iter().enumerate() {
+        for (ti, (changes, before)) in txs.into_iter().enumerate() {
             // Counts the tracked changes of the transaction only.
-            let mut seq = 0u32;
+            let mut seq = before;
             for ch in changes {
                 let Some(targets) = by_table.get(&ch.table) else {
+                    // Not tracked ([`is_tracked`]).
                     continue;
                 };
                 // Numbers every root key and lookup tuple of the change.

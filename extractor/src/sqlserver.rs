@@ -29,7 +29,7 @@ use tracing::warn;
 use crate::error::{Error, Result};
 use crate::resolve::RowImage;
 use crate::resolve::{BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
-use crate::{BatchLimits, ChangeSource, ReadBatch, StartPoint};
+use crate::{BatchLimits, ChangeSource, InFlight, ReadBatch, StartPoint};
 
 /// One row of `fn_cdc_get_all_changes_<ci>(…, N'all update old')`.
 #[derive(Clone, Debug, PartialEq)]
@@ -1055,7 +1055,19 @@ impl ChangeSource for MssqlSource {
         }
     }
 
-    async fn start(&mut self, _from: SourcePosition) -> Result<()> {
+    async fn start(&mut self, _from: SourcePosition, in_flight: Option<InFlight>) -> Result<()> {
+        // Batches end at LSN boundaries here: a marker with a transaction
+        // in flight was written by another kind of source.
+        if let Some(f) = in_flight {
+            return Err(Error::NotReady {
+                message: format!(
+                    "the marker holds part of a transaction ending at {}, which only a \
+                     PostgreSQL source writes",
+                    f.end
+                ),
+                fix: "give this source its own state_dir".into(),
+            });
+        }
         // Nothing is held open between batches: each one is a set of queries.
         Ok(())
     }
@@ -1146,6 +1158,7 @@ impl ChangeSource for MssqlSource {
             transactions: txs.len(),
             changes: changes.len(),
             records,
+            in_flight: None,
         })
     }
 

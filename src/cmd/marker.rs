@@ -11,10 +11,18 @@ pub fn show(cfg: &Config) -> anyhow::Result<()> {
     let store = SledMarkerStore::open(&cfg.state_dir)?;
     match store.load()? {
         None => println!("no marker yet (the pipeline has not started)"),
-        Some(m) => println!(
-            "position {}  has_data_loss {}  updated_at {}",
-            m.position, m.has_data_loss, m.updated_at
-        ),
+        Some(m) => {
+            println!(
+                "position {}  has_data_loss {}  updated_at {}",
+                m.position, m.has_data_loss, m.updated_at
+            );
+            if let Some(f) = m.in_flight {
+                println!(
+                    "in flight: {} changes of the transaction ending at {} are handed over",
+                    f.changes, f.end
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -57,6 +65,9 @@ pub async fn reset(
         updated_at: now_stamp(),
         // The sidecar learns of the skipped changes from the next batch.
         loss_unreported: old.as_ref().is_some_and(|m| m.loss_unreported) || skips,
+        // A transaction in flight is read again whole (appliers drop what
+        // they applied of it by position).
+        in_flight: None,
     };
     store.reset(&m)?;
     tracing::warn!(from = ?old.map(|m| m.position.to_string()), to = %position, "marker reset");

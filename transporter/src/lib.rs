@@ -73,7 +73,10 @@ pub struct Batch {
     pub seq: u64,
     /// Exclusive lower bound (the marker the batch started from).
     pub lower: SourcePosition,
-    /// Inclusive upper bound (commit end of the last transaction).
+    /// Inclusive upper bound (commit end of the last transaction). A part
+    /// of a transaction too large for one batch, not its last, completes
+    /// nothing: its `upper` is its `lower`, and its records lie past it
+    /// (appliers order them by their positions).
     pub upper: SourcePosition,
     /// The source reported lost changes before this batch.
     pub has_data_loss: bool,
