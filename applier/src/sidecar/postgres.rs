@@ -60,6 +60,31 @@ impl PgSidecar {
     }
 }
 
+/// Rows per statement of a batch commit, and bytes of their largest
+/// column: far below PostgreSQL's 1 GB parameter limit, large enough that
+/// a batch of the default size is one statement.
+const PART_ROWS: usize = 10_000;
+const PART_BYTES: usize = 64 << 20;
+
+/// `rows` in consecutive runs of at most [`PART_ROWS`] rows whose `size`
+/// adds up to at most [`PART_BYTES`] (a single larger row is a run alone).
+fn bounded_parts<T>(rows: &[T], size: impl Fn(&T) -> usize) -> Vec<&[T]> {
+    let mut parts = vec![];
+    let (mut start, mut bytes) = (0, 0);
+    for (i, r) in rows.iter().enumerate() {
+        let n = size(r);
+        if i > start && (i - start == PART_ROWS || bytes + n > PART_BYTES) {
+            parts.push(&rows[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += n;
+    }
+    if start < rows.len() {
+        parts.push(&rows[start..]);
+    }
+    parts
+}
+
 /// The progress in a row's columns `at..`: position (text), source_commit,
 /// source_seq, epoch.
 fn progress_from(r: &tokio_postgres::Row, at: usize) -> Result<Progress> {
@@ -279,14 +304,16 @@ impl Sidecar for PgSidecar {
             .map_err(db("inserting the batch row"))?
             .get(0);
 
-        // 3. Outbox rows, in decision order (ids keep per-aggregate order).
-        if !b.outbox.is_empty() {
-            let ids: Vec<&str> = b.outbox.iter().map(|o| o.event_id.as_str()).collect();
-            let entities: Vec<&str> = b.outbox.iter().map(|o| o.entity.as_str()).collect();
-            let keys: Vec<&str> = b.outbox.iter().map(|o| o.key.as_str()).collect();
-            let etags: Vec<Option<&str>> = b.outbox.iter().map(|o| o.etag.as_deref()).collect();
-            let events: Vec<&str> = b.outbox.iter().map(|o| o.event.as_str()).collect();
-            let times: Vec<i64> = b.outbox.iter().map(|o| o.commit_time_micros).collect();
+        // 3. Outbox rows, in decision order (ids keep per-aggregate order),
+        // in statements of bounded size: one array parameter of a large
+        // batch's events could pass PostgreSQL's 1 GB limit.
+        for part in bounded_parts(&b.outbox, |o| o.event.len()) {
+            let ids: Vec<&str> = part.iter().map(|o| o.event_id.as_str()).collect();
+            let entities: Vec<&str> = part.iter().map(|o| o.entity.as_str()).collect();
+            let keys: Vec<&str> = part.iter().map(|o| o.key.as_str()).collect();
+            let etags: Vec<Option<&str>> = part.iter().map(|o| o.etag.as_deref()).collect();
+            let events: Vec<&str> = part.iter().map(|o| o.event.as_str()).collect();
+            let times: Vec<i64> = part.iter().map(|o| o.commit_time_micros).collect();
             tx.execute(
                 &sc::outbox_insert_sql(s),
                 &[
@@ -298,11 +325,11 @@ impl Sidecar for PgSidecar {
         }
 
         // 4. Versions.
-        if !b.versions.is_empty() {
-            let entities: Vec<&str> = b.versions.iter().map(|v| v.entity.as_str()).collect();
-            let keys: Vec<&str> = b.versions.iter().map(|v| v.key.as_str()).collect();
-            let etags: Vec<Option<&str>> = b.versions.iter().map(|v| v.etag.as_deref()).collect();
-            let deleted: Vec<bool> = b.versions.iter().map(|v| v.is_deleted).collect();
+        for part in bounded_parts(&b.versions, |v| v.key.len()) {
+            let entities: Vec<&str> = part.iter().map(|v| v.entity.as_str()).collect();
+            let keys: Vec<&str> = part.iter().map(|v| v.key.as_str()).collect();
+            let etags: Vec<Option<&str>> = part.iter().map(|v| v.etag.as_deref()).collect();
+            let deleted: Vec<bool> = part.iter().map(|v| v.is_deleted).collect();
             tx.execute(
                 &sc::versions_upsert_sql(s),
                 &[&entities, &keys, &etags, &deleted],
@@ -451,5 +478,31 @@ impl Sidecar for PgSidecar {
                 updated_at: r.get(4),
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_statements_are_bounded_in_rows_and_bytes() {
+        let sizes: Vec<usize> = vec![1; 25_000];
+        let parts = bounded_parts(&sizes, |s| *s);
+        assert_eq!(
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            [10_000, 10_000, 5_000]
+        );
+        let big = PART_BYTES / 2 + 1;
+        let sizes = vec![big, big, 3, PART_BYTES * 2, 1];
+        let parts = bounded_parts(&sizes, |s| *s);
+        assert_eq!(
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            [1, 2, 1, 1]
+        );
+        assert!(bounded_parts(&Vec::<usize>::new(), |s| *s).is_empty());
+        // Order and content are kept.
+        let flat: Vec<usize> = parts.concat();
+        assert_eq!(flat, sizes);
     }
 }
