@@ -49,6 +49,21 @@ fn hydrators(cfg: &Config, catalog: &Catalog, source: &Source) -> HashMap<String
         .collect()
 }
 
+/// How one batch transaction of a delivery moves the progress.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Step {
+    /// The new progress position.
+    position: i128,
+    /// The last source change applied after it.
+    source: Option<skein_common::ChangePosition>,
+    /// The TRUNCATE re-check cursor after it.
+    recheck_after: Option<String>,
+    /// Records of the delivery dropped as applied (for the log).
+    dropped: usize,
+    /// The delivery's last step: carries its dead letters and loss notice.
+    last: bool,
+}
+
 /// What one applied batch did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Applied {
@@ -58,8 +73,19 @@ pub struct Applied {
     pub entities: usize,
     /// Events written to the outbox.
     pub events: usize,
-    /// The sidecar batch id, when a transaction was committed.
+    /// The sidecar batch id, when a transaction was committed (the last,
+    /// when a delivery took several).
     pub batch_id: Option<i64>,
+}
+
+impl Applied {
+    /// Adds what another step of the same delivery did.
+    fn add(&mut self, other: Applied) {
+        self.records += other.records;
+        self.entities += other.entities;
+        self.events += other.events;
+        self.batch_id = other.batch_id.or(self.batch_id);
+    }
 }
 
 /// One partition's applier.
@@ -137,61 +163,6 @@ impl<S: Sidecar> Applier<S> {
         Ok(())
     }
 
-    /// Replaces each truncate notice with one [`Op::Truncate`] record per
-    /// aggregate of its entity that this partition published and did not
-    /// delete, at the notice's position: consolidation then re-checks each
-    /// ([`crate::decide`]: gone → deleted, present → updated when its etag
-    /// changed). Every earlier record of the partition is committed or in
-    /// this delivery before the notice, so no published aggregate is missed.
-    async fn recheck_truncated(&mut self, records: Vec<ChangeRecord>) -> Result<Vec<ChangeRecord>> {
-        if !records.iter().any(|r| r.op == Op::Truncate) {
-            return Ok(records);
-        }
-        let partitions = self.cfg.transport.partitions();
-        let mut keys: HashMap<String, Vec<RootKey>> = HashMap::new();
-        let mut out = Vec::with_capacity(records.len());
-        for r in records {
-            if r.op != Op::Truncate {
-                out.push(r);
-                continue;
-            }
-            if !keys.contains_key(&r.entity) {
-                let mine = self
-                    .sidecar
-                    .published_keys(&r.entity)
-                    .await?
-                    .iter()
-                    .map(|k| {
-                        RootKey::from_canonical(k).ok_or_else(|| {
-                            Error::Data(format!("stored version key `{k}` is not a key"))
-                        })
-                    })
-                    .filter(|k| {
-                        k.as_ref().map_or(true, |k| {
-                            partition_for(&transport_key(&r.entity, k), partitions)
-                                == self.partition
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                info!(
-                    partition = self.partition,
-                    entity = %r.entity,
-                    table = %r.table,
-                    aggregates = mine.len(),
-                    "a TRUNCATE: re-checking the aggregates this partition published"
-                );
-                keys.insert(r.entity.clone(), mine);
-            }
-            for k in &keys[&r.entity] {
-                out.push(ChangeRecord {
-                    root_key: k.clone(),
-                    ..r.clone()
-                });
-            }
-        }
-        Ok(out)
-    }
-
     /// The partition.
     pub fn partition(&self) -> u32 {
         self.partition
@@ -201,8 +172,8 @@ impl<S: Sidecar> Applier<S> {
     /// The first read after taking the partition claims it: the epoch is
     /// bumped, so an applier that held it before is fenced.
     pub async fn progress(&mut self) -> Result<Option<Progress>> {
-        if let Some(p) = self.progress {
-            return Ok(p);
+        if let Some(p) = &self.progress {
+            return Ok(p.clone());
         }
         let (group, topic, p) = (&self.cfg.name, &self.topic, self.partition);
         let p = if self.claimed {
@@ -212,7 +183,7 @@ impl<S: Sidecar> Applier<S> {
             self.claimed = true;
             claimed
         };
-        self.progress = Some(p);
+        self.progress = Some(p.clone());
         Ok(p)
     }
 
@@ -230,7 +201,7 @@ impl<S: Sidecar> Applier<S> {
 
     /// The progress this applier believes is committed, if it has read it.
     pub fn cached_progress(&self) -> Option<Option<Progress>> {
-        self.progress
+        self.progress.clone()
     }
 
     /// Forgets the cached progress (after a fence, or idle to look again).
@@ -249,8 +220,16 @@ impl<S: Sidecar> Applier<S> {
     /// ([`fresh`]), consolidates, hydrates, versions and commits the batch
     /// in one fenced sidecar transaction. Returns what it did; a delivery
     /// with nothing new writes nothing.
+    ///
+    /// A delivery with truncate notices is committed in steps, each its
+    /// own fenced transaction: the records before a notice; then the
+    /// notice's re-check, a page of published keys per step (see
+    /// [`Applier::recheck`]); then what follows. Every step but the last
+    /// leaves the progress position where it was and moves only the last
+    /// source change (and the re-check cursor), so a crash in between
+    /// resumes at the next step: memory and transaction size are a page,
+    /// whatever the entity's size.
     pub async fn apply(&mut self, d: &Delivery) -> Result<Applied> {
-        let started = Instant::now();
         let expected = self.progress().await?;
         let (records, dropped, source_after) = match fresh(d, expected.as_ref()) {
             Fresh::Applied | Fresh::Nothing => return Ok(Applied::default()),
@@ -260,9 +239,129 @@ impl<S: Sidecar> Applier<S> {
                 source_after,
             } => (records, dropped, source_after),
         };
-        let records = self.recheck_truncated(records).await?;
+        let last = Step {
+            position: d.upper.numeric(),
+            source: source_after,
+            recheck_after: None,
+            dropped,
+            last: true,
+        };
+        if !records.iter().any(|r| r.op == Op::Truncate) {
+            return self.commit_step(d, &records, last).await;
+        }
+        let mut total = Applied::default();
+        let mut before: Vec<ChangeRecord> = vec![];
+        for r in records {
+            if r.op != Op::Truncate {
+                before.push(r);
+                continue;
+            }
+            if !before.is_empty() {
+                let step = self.intermediate(d, before.last().map(|b| b.position), None);
+                total.add(self.commit_step(d, &before, step).await?);
+                before.clear();
+            }
+            total.add(self.recheck(d, &r).await?);
+        }
+        total.add(self.commit_step(d, &before, last).await?);
+        Ok(total)
+    }
+
+    /// A step that is not a delivery's last: the position stays where the
+    /// committed progress is, the last source change moves to `source`.
+    ///
+    /// Before the partition's first commit the position is the delivery's
+    /// lower bound: in-process the batch's lower position (everything of
+    /// this partition at or before it is applied: there was nothing), over
+    /// Kafka its first offset (where consumption started).
+    fn intermediate(
+        &self,
+        d: &Delivery,
+        source: Option<skein_common::ChangePosition>,
+        recheck_after: Option<String>,
+    ) -> Step {
+        let at = self.progress.clone().flatten();
+        Step {
+            position: at.as_ref().map_or(d.lower.numeric(), |p| p.position),
+            source: source.max(at.and_then(|p| p.source)),
+            recheck_after,
+            dropped: 0,
+            last: false,
+        }
+    }
+
+    /// Re-checks, after a TRUNCATE, every aggregate of the notice's entity
+    /// that this partition published and did not delete: one
+    /// [`Op::Truncate`] record per aggregate, at the notice's position;
+    /// consolidation then re-checks each ([`crate::decide`]: gone →
+    /// deleted, present → updated when its etag changed). Every earlier
+    /// record of the partition is committed before, so no published
+    /// aggregate is missed.
+    ///
+    /// Keys come in pages of `extractor.max_batch_changes` in key order,
+    /// each page a step; the progress records the notice and the last key
+    /// of the page, and a re-check found under way (a crash, a fence, a new
+    /// owner) resumes after it.
+    async fn recheck(&mut self, d: &Delivery, notice: &ChangeRecord) -> Result<Applied> {
+        let partitions = self.cfg.transport.partitions();
+        let page = i64::try_from(self.cfg.extractor.max_batch_changes.max(1)).unwrap_or(i64::MAX);
+        let at = self.progress().await?;
+        let mut after = at
+            .filter(|p| p.source == Some(notice.position))
+            .and_then(|p| p.recheck_after);
+        if after.is_none() {
+            info!(
+                partition = self.partition,
+                entity = %notice.entity,
+                table = %notice.table,
+                "a TRUNCATE: re-checking the aggregates this partition published"
+            );
+        } else {
+            info!(partition = self.partition, entity = %notice.entity, after = ?after,
+                "resuming a TRUNCATE re-check");
+        }
+        let mut total = Applied::default();
+        loop {
+            let keys = self
+                .sidecar
+                .published_keys(&notice.entity, after.as_deref(), page)
+                .await?;
+            let done = (keys.len() as i64) < page;
+            let mut mine = Vec::with_capacity(keys.len());
+            for k in &keys {
+                let key = RootKey::from_canonical(k)
+                    .ok_or_else(|| Error::Data(format!("stored version key `{k}` is not a key")))?;
+                if partition_for(&transport_key(&notice.entity, &key), partitions) == self.partition
+                {
+                    mine.push(ChangeRecord {
+                        root_key: key,
+                        ..notice.clone()
+                    });
+                }
+            }
+            after = if done { None } else { keys.last().cloned() };
+            let step = self.intermediate(d, Some(notice.position), after.clone());
+            total.add(self.commit_step(d, &mine, step).await?);
+            if done {
+                return Ok(total);
+            }
+            failpoint("applier.after_recheck_page");
+        }
+    }
+
+    /// Consolidates, hydrates, versions and commits `records` as one batch
+    /// transaction, moving the progress as `step` says.
+    async fn commit_step(
+        &mut self,
+        d: &Delivery,
+        records: &[ChangeRecord],
+        step: Step,
+    ) -> Result<Applied> {
+        let started = Instant::now();
+        let expected = self.progress().await?;
+        let dropped = step.dropped;
         let correlation_id = uuid::Uuid::now_v7().to_string();
-        let consolidated = consolidate(&records);
+        let consolidated = consolidate(records);
 
         // Hydrate and load versions per entity, batched.
         let mut by_entity: HashMap<&str, Vec<usize>> = HashMap::new();
@@ -351,16 +450,18 @@ impl<S: Sidecar> Applier<S> {
             group: self.cfg.name.clone(),
             topic: self.topic.clone(),
             partition: self.partition,
-            expected: expected.map(|p| p.fence()),
-            position: d.upper.numeric(),
-            source: source_after,
-            dead_letters: d.dead_letters,
+            expected: expected.as_ref().map(|p| p.fence()),
+            position: step.position,
+            source: step.source,
+            recheck_after: step.recheck_after.clone(),
+            // A delivery's dead letters and loss notice go with its last step.
+            dead_letters: if step.last { d.dead_letters } else { 0 },
             lower: d.lower.numeric(),
             upper: d.upper.numeric(),
             correlation_id,
             record_count: records.len() as i32,
             entity_count: consolidated.len() as i32,
-            has_data_loss: d.has_data_loss,
+            has_data_loss: step.last && d.has_data_loss,
             outbox,
             versions,
         };
@@ -376,8 +477,9 @@ impl<S: Sidecar> Applier<S> {
         };
         failpoint("applier.after_sidecar");
         self.progress = Some(Some(Progress {
-            position: d.upper.numeric(),
-            source: source_after,
+            position: step.position,
+            source: step.source,
+            recheck_after: step.recheck_after,
             // A commit keeps the epoch; a first commit writes epoch 0.
             epoch: expected.map_or(0, |p| p.epoch),
         }));
@@ -393,7 +495,7 @@ impl<S: Sidecar> Applier<S> {
             upper = %d.upper,
             records = applied.records,
             duplicates = dropped,
-            dead_letters = d.dead_letters,
+            dead_letters = commit.dead_letters,
             entities = applied.entities,
             events = applied.events,
             ms = started.elapsed().as_millis() as u64,

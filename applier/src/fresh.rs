@@ -8,7 +8,7 @@
 
 use std::collections::HashSet;
 
-use skein_common::{ChangePosition, ChangeRecord, Checkpoint};
+use skein_common::{ChangePosition, ChangeRecord, Checkpoint, Op};
 use skein_transporter::Delivery;
 
 use crate::sidecar::Progress;
@@ -68,7 +68,12 @@ pub fn fresh(d: &Delivery, committed: Option<&Progress>) -> Fresh {
         .records
         .iter()
         .filter(|r| {
-            let after_source = applied_source.is_none_or(|s| r.position > s);
+            // A truncate notice whose re-check is under way (it stands
+            // at the notice, with a cursor) is taken again, to resume.
+            let resumed = r.op == Op::Truncate
+                && committed
+                    .is_some_and(|p| p.recheck_after.is_some() && p.source == Some(r.position));
+            let after_source = resumed || applied_source.is_none_or(|s| r.position > s);
             if by_offset {
                 after_source
             } else {
@@ -151,6 +156,7 @@ mod tests {
         Progress {
             position,
             source,
+            recheck_after: None,
             epoch: 0,
         }
     }
@@ -228,6 +234,24 @@ mod tests {
         let done = progress(50, Some(pos(50, 4)));
         assert_eq!(fresh(&whole, Some(&done)), Fresh::Applied);
         assert_eq!(fresh(&part2, Some(&done)), Fresh::Applied);
+    }
+
+    #[test]
+    fn a_truncate_notice_whose_recheck_is_under_way_is_taken_again() {
+        let mut notice = rec("0", 50, 3);
+        notice.op = Op::Truncate;
+        let d = off(5, 8, vec![rec("1", 50, 2), notice.clone(), rec("2", 50, 4)]);
+        let mut at = progress(5, Some(pos(50, 3)));
+        // The notice applied: only what follows it.
+        assert_eq!(keys(&fresh(&d, Some(&at))), vec![(50, 4)]);
+        // Under way: the notice again, to resume, and what follows.
+        at.recheck_after = Some("[\"7\"]".into());
+        assert_eq!(keys(&fresh(&d, Some(&at))), vec![(50, 3), (50, 4)]);
+        // Not another record at that position.
+        let d = off(5, 8, vec![rec("1", 50, 3)]);
+        assert!(
+            matches!(fresh(&d, Some(&at)), Fresh::Apply { ref records, .. } if records.is_empty())
+        );
     }
 
     #[test]

@@ -49,8 +49,8 @@ pub fn after_failure(e: &Error) -> AfterFailure {
 
 /// Whether the stored progress moved away from what the applier believed
 /// (`None`: it has not read it since its last reset; nothing to compare).
-pub fn moved_under_us(believed: Option<Option<Progress>>, stored: Option<Progress>) -> bool {
-    believed.is_some_and(|b| b != stored)
+pub fn moved_under_us(believed: &Option<Option<Progress>>, stored: &Option<Progress>) -> bool {
+    believed.as_ref().is_some_and(|b| b != stored)
 }
 
 /// The partitions this process owns, shared with a partition-scoped relay.
@@ -231,7 +231,7 @@ async fn recheck_progress<I: Inbox>(
                 continue;
             }
         };
-        if moved_under_us(believed, stored) {
+        if moved_under_us(&believed, &stored) {
             warn!(partition = p, believed = ?believed.flatten().map(|x| x.position), now = ?stored.map(|x| x.position), "progress moved under this applier (a replay?); re-seeking");
             if let Err(e) = reseek(a, *p, inbox).await {
                 warn!(partition = p, error = %e, "re-seeking while idle failed; trying again later");
@@ -431,6 +431,7 @@ mod tests {
         let at = |position| Progress {
             position,
             source: None,
+            recheck_after: None,
             epoch: 0,
         };
         let known = TopicProgress {
@@ -454,25 +455,26 @@ mod tests {
                 commit: PgLsn(7).into(),
                 seq: 0,
             }),
+            recheck_after: None,
             epoch,
         };
         let p = |position| at(position, 0);
         assert!(
-            !moved_under_us(None, Some(p(5))),
+            !moved_under_us(&None, &Some(p(5))),
             "never read: nothing to compare"
         );
-        assert!(!moved_under_us(Some(Some(p(5))), Some(p(5))));
+        assert!(!moved_under_us(&Some(Some(p(5))), &Some(p(5))));
         assert!(
-            moved_under_us(Some(Some(p(5))), Some(p(2))),
+            moved_under_us(&Some(Some(p(5))), &Some(p(2))),
             "rewound by a replay"
         );
         assert!(
-            moved_under_us(Some(None), Some(p(2))),
+            moved_under_us(&Some(None), &Some(p(2))),
             "another applier committed first"
         );
-        assert!(moved_under_us(Some(Some(p(5))), None), "progress deleted");
+        assert!(moved_under_us(&Some(Some(p(5))), &None), "progress deleted");
         assert!(
-            moved_under_us(Some(Some(p(5))), Some(at(5, 1))),
+            moved_under_us(&Some(Some(p(5))), &Some(at(5, 1))),
             "rewound and re-applied to the same position (ABA), or claimed"
         );
     }

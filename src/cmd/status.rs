@@ -41,7 +41,7 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
     let mut total_lag = 0i64;
     for p in 0..cfg.transport.partitions() {
         let pr = sidecar.progress(&cfg.name, &topic, p).await?;
-        let progress: serde_json::Value = match (pr, &ends) {
+        let progress: serde_json::Value = match (&pr, &ends) {
             (None, _) => serde_json::Value::Null,
             (Some(x), Some(_)) => x.offset().into(),
             (Some(x), None) => {
@@ -49,10 +49,14 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
             }
         };
         let mut v = serde_json::json!({ "partition": p, "progress": progress });
+        if let Some(k) = pr.as_ref().and_then(|x| x.recheck_after.as_ref()) {
+            // A TRUNCATE re-check under way: the last key it re-checked.
+            v["truncate_recheck_after"] = k.clone().into();
+        }
         if let Some(ends) = &ends {
             let (low, high) = ends[p as usize];
             // No progress yet: everything from the log start is pending.
-            let lag = high - pr.map(|x| x.offset()).unwrap_or(low);
+            let lag = high - pr.as_ref().map(|x| x.offset()).unwrap_or(low);
             total_lag += lag.max(0);
             v["log_start"] = low.into();
             v["log_end"] = high.into();

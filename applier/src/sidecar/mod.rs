@@ -70,6 +70,8 @@ pub struct BatchCommit {
     pub position: i128,
     /// The last source change applied in this partition, after this batch.
     pub source: Option<ChangePosition>,
+    /// [`Progress::recheck_after`] after this batch.
+    pub recheck_after: Option<String>,
     /// Records sent to the dead-letter topic in this batch.
     pub dead_letters: i32,
     /// Batch bounds (for the batch row).
@@ -91,7 +93,7 @@ pub struct BatchCommit {
 }
 
 /// A partition's committed progress.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Progress {
     /// In-process: the source upper bound ([`SourcePosition::numeric`]);
     /// Kafka: the next offset to consume.
@@ -100,6 +102,9 @@ pub struct Progress {
     pub position: i128,
     /// The last source change applied (Kafka drops re-sent records by it).
     pub source: Option<ChangePosition>,
+    /// While a TRUNCATE re-check is under way (`source` is its notice):
+    /// the last canonical key re-checked. The re-check resumes after it.
+    pub recheck_after: Option<String>,
     /// Bumped by every ownership change ([`Sidecar::claim`]) and rewind
     /// ([`Sidecar::rewind`]); a commit needs the epoch it read.
     pub epoch: i64,
@@ -252,7 +257,15 @@ pub trait Sidecar {
     /// every aggregate a TRUNCATE may have changed. Read by the partition's
     /// applier before its batch transaction; the keys of its partition are
     /// written only by it (fenced), so none can appear meanwhile.
-    fn published_keys(&mut self, entity: &str) -> impl Future<Output = Result<Vec<String>>> + Send;
+    ///
+    /// A page: the keys after `after` (from the first when `None`), in
+    /// key order, at most `limit`.
+    fn published_keys(
+        &mut self,
+        entity: &str,
+        after: Option<&str>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<String>>> + Send;
 
     /// The one batch transaction, read top to bottom in each implementation:
     /// fence (move progress from `expected` to `position`, or create it when
@@ -482,8 +495,13 @@ impl Sidecar for AnySidecar {
         delegate!(self, s => s.versions(entity, keys).await)
     }
 
-    async fn published_keys(&mut self, entity: &str) -> Result<Vec<String>> {
-        delegate!(self, s => s.published_keys(entity).await)
+    async fn published_keys(
+        &mut self,
+        entity: &str,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<String>> {
+        delegate!(self, s => s.published_keys(entity, after, limit).await)
     }
 
     async fn commit(&mut self, batch: &BatchCommit) -> Result<i64> {

@@ -92,6 +92,7 @@ fn progress_from(r: &tokio_postgres::Row, at: usize) -> Result<Progress> {
         position: parse_numeric(&r.get::<_, String>(at))?,
         source: source_position(r.get(at + 1), r.get(at + 2))?,
         epoch: r.get(at + 3),
+        recheck_after: r.get(at + 4),
     })
 }
 
@@ -200,10 +201,18 @@ impl Sidecar for PgSidecar {
             .collect())
     }
 
-    async fn published_keys(&mut self, entity: &str) -> Result<Vec<String>> {
+    async fn published_keys(
+        &mut self,
+        entity: &str,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<String>> {
         let rows = self
             .client
-            .query(&sc::published_keys_sql(&self.schema), &[&entity])
+            .query(
+                &sc::published_keys_sql(&self.schema),
+                &[&entity, &after, &limit],
+            )
             .await
             .map_err(db("reading the published keys to re-check"))?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
@@ -240,6 +249,7 @@ impl Sidecar for PgSidecar {
                         &src_commit,
                         &src_seq,
                         &expected_epoch,
+                        &b.recheck_after,
                     ],
                 )
                 .await
@@ -254,6 +264,7 @@ impl Sidecar for PgSidecar {
                         &position,
                         &src_commit,
                         &src_seq,
+                        &b.recheck_after,
                     ],
                 )
                 .await

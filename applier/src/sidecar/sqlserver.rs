@@ -137,6 +137,7 @@ fn progress_row(r: &[SqlValue]) -> Result<Progress> {
         position: parse_numeric(&text(r.first()).unwrap_or_default())?,
         source: source_position(text(r.get(1)), int(2))?,
         epoch: int(3).unwrap_or(0),
+        recheck_after: text(r.get(4)),
     })
 }
 
@@ -164,6 +165,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
                     &src_commit,
                     &src_seq,
                     &fence.epoch,
+                    &b.recheck_after,
                 ],
             )
             .await?
@@ -181,6 +183,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
                     &position.as_str(),
                     &src_commit,
                     &src_seq,
+                    &b.recheck_after,
                 ],
             )
             .await?
@@ -418,13 +421,18 @@ impl Sidecar for MssqlSidecar {
         Ok(out)
     }
 
-    async fn published_keys(&mut self, entity: &str) -> Result<Vec<String>> {
+    async fn published_keys(
+        &mut self,
+        entity: &str,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<String>> {
         let rows = self
             .client
             .query(
                 "reading the published keys to re-check",
                 &sc::published_keys_sql(&self.schema),
-                &[&entity],
+                &[&entity, &after, &limit],
             )
             .await?;
         Ok(rows.iter().filter_map(|r| text(r.first())).collect())

@@ -22,7 +22,7 @@ use crate::catalog::{Catalog, ColumnInfo, TableInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
-pub const SIDECAR_SCHEMA_VERSION: i32 = 4;
+pub const SIDECAR_SCHEMA_VERSION: i32 = 5;
 
 /// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
@@ -288,6 +288,11 @@ ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
 -- only if both position and epoch are still what its applier read, so a
 -- position written back by a rewind does not let a stale applier through.
 ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "epoch" bigint NOT NULL DEFAULT 0;
+-- Version 5: where a TRUNCATE re-check stands. A TRUNCATE re-checks every
+-- aggregate of its entity the partition published, a page of keys per batch
+-- transaction; while one is under way, source_* is the truncate notice and
+-- this the last key re-checked (NULL otherwise).
+ALTER TABLE {s}."progress" ADD COLUMN IF NOT EXISTS "recheck_after" text;
 
 -- Version 4: the partition count the extractor keys records by, per group
 -- and topic. A different count re-keys aggregates between partitions, so

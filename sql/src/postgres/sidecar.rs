@@ -24,7 +24,7 @@ pub fn migrate_sql(schema: &str) -> String {
 /// Columns: position (text), source_commit, source_seq, epoch.
 pub fn progress_sql(schema: &str) -> String {
     format!(
-        "SELECT position::text, source_commit, source_seq, epoch FROM {}.\"progress\" \
+        "SELECT position::text, source_commit, source_seq, epoch, recheck_after FROM {}.\"progress\" \
          WHERE group_name = $1 AND topic = $2 AND partition = $3",
         qi(schema)
     )
@@ -34,7 +34,7 @@ pub fn progress_sql(schema: &str) -> String {
 /// Columns: partition, then as [`progress_sql`].
 pub fn progress_all_sql(schema: &str) -> String {
     format!(
-        "SELECT partition, position::text, source_commit, source_seq, epoch FROM {}.\"progress\" \
+        "SELECT partition, position::text, source_commit, source_seq, epoch, recheck_after FROM {}.\"progress\" \
          WHERE group_name = $1 AND topic = $2 ORDER BY partition",
         qi(schema)
     )
@@ -56,7 +56,7 @@ pub fn claim_progress_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.\"progress\" SET epoch = epoch + 1 \
          WHERE group_name = $1 AND topic = $2 AND partition = $3 \
-         RETURNING position::text, source_commit, source_seq, epoch",
+         RETURNING position::text, source_commit, source_seq, epoch, recheck_after",
         qi(schema)
     )
 }
@@ -88,34 +88,38 @@ pub fn versions_sql(schema: &str) -> String {
     )
 }
 
-/// Keys of entity `$1` whose last event was not a delete: what a TRUNCATE
-/// re-checks. Column: key.
+/// Keys of entity `$1` whose last event was not a delete, after key `$2`
+/// (from the first when NULL), in key order, at most `$3`: a page of what
+/// a TRUNCATE re-checks. Column: key.
 pub fn published_keys_sql(schema: &str) -> String {
     format!(
-        "SELECT key FROM {}.\"version\" WHERE entity = $1 AND NOT is_deleted ORDER BY key",
+        "SELECT key FROM {}.\"version\" WHERE entity = $1 AND NOT is_deleted \
+         AND ($2::text IS NULL OR key > $2) ORDER BY key LIMIT $3",
         qi(schema)
     )
 }
 
 /// Fence: moves progress from `$5` at epoch `$8` to `$4` (decimal texts),
-/// with the last source change `$6`/`$7`; affects 0 rows when progress
-/// moved or another applier took the partition (the epoch changed).
+/// with the last source change `$6`/`$7` and the TRUNCATE re-check cursor
+/// `$9`; affects 0 rows when progress moved or another applier took the
+/// partition (the epoch changed).
 pub fn advance_progress_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.\"progress\" SET position = $4::text::numeric, source_commit = $6, \
-         source_seq = $7, updated_at = now() \
+         source_seq = $7, recheck_after = $9, updated_at = now() \
          WHERE group_name = $1 AND topic = $2 AND partition = $3 \
          AND position = $5::text::numeric AND epoch = $8",
         qi(schema)
     )
 }
 
-/// A partition's first progress (`$4` position, `$5`/`$6` source); the
-/// primary key makes a second first commit affect 0 rows.
+/// A partition's first progress (`$4` position, `$5`/`$6` source, `$7`
+/// re-check cursor); the primary key makes a second first commit affect
+/// 0 rows.
 pub fn first_progress_sql(schema: &str) -> String {
     format!(
-        "INSERT INTO {}.\"progress\" (group_name, topic, partition, position, source_commit, source_seq) \
-         VALUES ($1, $2, $3, $4::text::numeric, $5, $6) ON CONFLICT DO NOTHING",
+        "INSERT INTO {}.\"progress\" (group_name, topic, partition, position, source_commit, source_seq, recheck_after) \
+         VALUES ($1, $2, $3, $4::text::numeric, $5, $6, $7) ON CONFLICT DO NOTHING",
         qi(schema)
     )
 }
@@ -271,7 +275,7 @@ pub fn relay_mark_sql(schema: &str) -> String {
 pub fn rewind_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.\"progress\" SET position = $5::int8, source_commit = NULL, \
-         source_seq = NULL, epoch = epoch + 1, updated_at = now() \
+         source_seq = NULL, recheck_after = NULL, epoch = epoch + 1, updated_at = now() \
          WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8",
         qi(schema)
     )

@@ -486,7 +486,10 @@ pub fn sidecar_ddl(schema: &str) -> String {
         out,
         "-- Version 4: the fencing epoch, bumped by every ownership change and rewind.\n\
          IF COL_LENGTH({p}, N'epoch') IS NULL\n    \
-         ALTER TABLE {s}.[progress] ADD [epoch] bigint NOT NULL DEFAULT 0;\n",
+         ALTER TABLE {s}.[progress] ADD [epoch] bigint NOT NULL DEFAULT 0;\n\
+         -- Version 5: where a TRUNCATE re-check stands (the last key re-checked).\n\
+         IF COL_LENGTH({p}, N'recheck_after') IS NULL\n    \
+         ALTER TABLE {s}.[progress] ADD [recheck_after] nvarchar(max) NULL;\n",
         p = ql(&format!("{s}.[progress]")),
     );
     out += "\n-- Version 4: the partition count records are keyed by, per group and topic.\n";

@@ -15,10 +15,11 @@ pub fn migrate_sql(schema: &str) -> String {
 }
 
 /// A partition's progress: `@P1` group, `@P2` topic, `@P3` partition.
-/// Columns: position (text), source_commit, source_seq, epoch.
+/// Columns: position (text), source_commit, source_seq, epoch,
+/// recheck_after.
 pub fn progress_sql(schema: &str) -> String {
     format!(
-        "SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] \
+        "SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch], [recheck_after] \
          FROM {}.[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
         qi(schema)
     )
@@ -28,7 +29,8 @@ pub fn progress_sql(schema: &str) -> String {
 /// partition. Columns: partition, then as [`progress_sql`].
 pub fn progress_all_sql(schema: &str) -> String {
     format!(
-        "SELECT [partition], CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] \
+        "SELECT [partition], CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch], \
+         [recheck_after] \
          FROM {}.[progress] WHERE [group_name] = @P1 AND [topic] = @P2 ORDER BY [partition]",
         qi(schema)
     )
@@ -50,7 +52,7 @@ pub fn claim_progress_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.[progress] SET [epoch] = [epoch] + 1 \
          OUTPUT CAST(inserted.[position] AS nvarchar(40)), inserted.[source_commit], \
-         inserted.[source_seq], inserted.[epoch] \
+         inserted.[source_seq], inserted.[epoch], inserted.[recheck_after] \
          WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
         qi(schema)
     )
@@ -104,27 +106,30 @@ pub fn relay_states_sql(schema: &str) -> String {
 }
 
 /// Fence: moves progress from `@P5` at epoch `@P8` to `@P4` (decimal
-/// texts), with the last source change `@P6`/`@P7`; affects 0 rows when
-/// progress moved or another applier took the partition.
+/// texts), with the last source change `@P6`/`@P7` and the TRUNCATE
+/// re-check cursor `@P9`; affects 0 rows when progress moved or another
+/// applier took the partition.
 pub fn advance_progress_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.[progress] SET [position] = CAST(@P4 AS decimal(25,0)), \
-         [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() \
+         [source_commit] = @P6, [source_seq] = @P7, [recheck_after] = @P9, \
+         [updated_at] = SYSUTCDATETIME() \
          WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 \
          AND [position] = CAST(@P5 AS decimal(25,0)) AND [epoch] = @P8",
         qi(schema)
     )
 }
 
-/// A partition's first progress (`@P4` position, `@P5`/`@P6` source);
+/// A partition's first progress (`@P4` position, `@P5`/`@P6` source,
+/// `@P7` re-check cursor);
 /// the range lock (UPDLOCK, HOLDLOCK) keeps two first commits from both
 /// inserting: the second affects 0 rows.
 pub fn first_progress_sql(schema: &str) -> String {
     let q = qi(schema);
     format!(
         "INSERT INTO {q}.[progress] ([group_name], [topic], [partition], [position], \
-         [source_commit], [source_seq]) \
-         SELECT @P1, @P2, @P3, CAST(@P4 AS decimal(25,0)), @P5, @P6 \
+         [source_commit], [source_seq], [recheck_after]) \
+         SELECT @P1, @P2, @P3, CAST(@P4 AS decimal(25,0)), @P5, @P6, @P7 \
          WHERE NOT EXISTS (SELECT 1 FROM {q}.[progress] WITH (UPDLOCK, HOLDLOCK) \
          WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3)"
     )
@@ -210,12 +215,14 @@ pub fn versions_sql(schema: &str, keys: usize) -> String {
     )
 }
 
-/// Keys of entity `@P1` whose last event was not a delete: what a TRUNCATE
-/// re-checks (SQL Server itself refuses TRUNCATE on CDC tables; the
-/// sidecar may still serve a PostgreSQL source).
+/// Keys of entity `@P1` whose last event was not a delete, after key
+/// `@P2` (from the first when NULL), in key order, at most `@P3`: a page
+/// of what a TRUNCATE re-checks (SQL Server itself refuses TRUNCATE on CDC
+/// tables; the sidecar may still serve a PostgreSQL source).
 pub fn published_keys_sql(schema: &str) -> String {
     format!(
-        "SELECT [key] FROM {}.[version] WHERE [entity] = @P1 AND [is_deleted] = 0 ORDER BY [key]",
+        "SELECT TOP (@P3) [key] FROM {}.[version] WHERE [entity] = @P1 AND [is_deleted] = 0 \
+         AND (@P2 IS NULL OR [key] > @P2) ORDER BY [key]",
         qi(schema)
     )
 }
@@ -260,7 +267,7 @@ pub fn relay_select_sql(schema: &str, partitions: Option<&[i32]>) -> String {
 pub fn rewind_sql(schema: &str) -> String {
     format!(
         "UPDATE {}.[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, \
-         [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() \
+         [recheck_after] = NULL, [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() \
          WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4",
         qi(schema)
     )

@@ -1,4 +1,4 @@
--- skein sidecar schema, version 4.
+-- skein sidecar schema, version 5.
 CREATE SCHEMA IF NOT EXISTS "skein";
 
 CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
@@ -30,6 +30,11 @@ ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "source_seq" bigint;
 -- only if both position and epoch are still what its applier read, so a
 -- position written back by a rewind does not let a stale applier through.
 ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "epoch" bigint NOT NULL DEFAULT 0;
+-- Version 5: where a TRUNCATE re-check stands. A TRUNCATE re-checks every
+-- aggregate of its entity the partition published, a page of keys per batch
+-- transaction; while one is under way, source_* is the truncate notice and
+-- this the last key re-checked (NULL otherwise).
+ALTER TABLE "skein"."progress" ADD COLUMN IF NOT EXISTS "recheck_after" text;
 
 -- Version 4: the partition count the extractor keys records by, per group
 -- and topic. A different count re-keys aggregates between partitions, so
@@ -110,4 +115,4 @@ CREATE TABLE IF NOT EXISTS "skein"."outbox" (
 CREATE INDEX IF NOT EXISTS "outbox_pending" ON "skein"."outbox" ("id") WHERE "dequeued_at" IS NULL;
 CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox" ("entity", "key", "id");
 
-INSERT INTO "skein"."schema_version" ("version") VALUES (4) ON CONFLICT DO NOTHING;
+INSERT INTO "skein"."schema_version" ("version") VALUES (5) ON CONFLICT DO NOTHING;

@@ -6,13 +6,13 @@ SELECT pg_advisory_xact_lock(hashtext('skein.sidecar.migrate'));
 COMMIT;;
 
 -- progress of a partition
-SELECT position::text, source_commit, source_seq, epoch FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
+SELECT position::text, source_commit, source_seq, epoch, recheck_after FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
 
 -- an applier takes a partition
-UPDATE "skein"."progress" SET epoch = epoch + 1 WHERE group_name = $1 AND topic = $2 AND partition = $3 RETURNING position::text, source_commit, source_seq, epoch;
+UPDATE "skein"."progress" SET epoch = epoch + 1 WHERE group_name = $1 AND topic = $2 AND partition = $3 RETURNING position::text, source_commit, source_seq, epoch, recheck_after;
 
 -- progress of every partition
-SELECT partition, position::text, source_commit, source_seq, epoch FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 ORDER BY partition;
+SELECT partition, position::text, source_commit, source_seq, epoch, recheck_after FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 ORDER BY partition;
 
 -- forget partitions' progress (re-keying)
 DELETE FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = ANY($3);
@@ -24,10 +24,10 @@ SELECT partitions FROM "skein"."transport" WHERE group_name = $1 AND topic = $2;
 INSERT INTO "skein"."transport" (group_name, topic, partitions) VALUES ($1, $2, $3) ON CONFLICT (group_name, topic) DO UPDATE SET partitions = EXCLUDED.partitions, updated_at = now();
 
 -- batch transaction 1a: fence
-UPDATE "skein"."progress" SET position = $4::text::numeric, source_commit = $6, source_seq = $7, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5::text::numeric AND epoch = $8;
+UPDATE "skein"."progress" SET position = $4::text::numeric, source_commit = $6, source_seq = $7, recheck_after = $9, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $5::text::numeric AND epoch = $8;
 
 -- batch transaction 1b: first progress
-INSERT INTO "skein"."progress" (group_name, topic, partition, position, source_commit, source_seq) VALUES ($1, $2, $3, $4::text::numeric, $5, $6) ON CONFLICT DO NOTHING;
+INSERT INTO "skein"."progress" (group_name, topic, partition, position, source_commit, source_seq, recheck_after) VALUES ($1, $2, $3, $4::text::numeric, $5, $6, $7) ON CONFLICT DO NOTHING;
 
 -- batch transaction, fenced: the position found
 SELECT position::text, epoch FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
@@ -45,7 +45,7 @@ INSERT INTO "skein"."version" (entity, key, etag, is_deleted) SELECT * FROM unne
 SELECT key, etag, is_deleted FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);
 
 -- truncate: the keys to re-check
-SELECT key FROM "skein"."version" WHERE entity = $1 AND NOT is_deleted ORDER BY key;
+SELECT key FROM "skein"."version" WHERE entity = $1 AND NOT is_deleted AND ($2::text IS NULL OR key > $2) ORDER BY key LIMIT $3;
 
 -- pending outbox
 SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 FROM "skein"."outbox" WHERE dequeued_at IS NULL;
@@ -75,7 +75,7 @@ INSERT INTO "skein"."relay" (name, state, last_error, error_at) VALUES ($1, $2, 
 SELECT name, state, last_error, to_char(error_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') FROM "skein"."relay" ORDER BY name;
 
 -- replay: rewind a partition
-UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_seq = NULL, epoch = epoch + 1, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8;
+UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_seq = NULL, recheck_after = NULL, epoch = epoch + 1, updated_at = now() WHERE group_name = $1 AND topic = $2 AND partition = $3 AND position = $4::int8;
 
 -- replay --republish: forget versions
 DELETE FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);

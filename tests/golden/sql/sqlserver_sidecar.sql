@@ -1,4 +1,4 @@
--- skein sidecar schema (T-SQL), version 4.
+-- skein sidecar schema (T-SQL), version 5.
 IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
 
 IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
@@ -23,6 +23,9 @@ CREATE TABLE [skein].[progress] (
 -- Version 4: the fencing epoch, bumped by every ownership change and rewind.
 IF COL_LENGTH(N'[skein].[progress]', N'epoch') IS NULL
     ALTER TABLE [skein].[progress] ADD [epoch] bigint NOT NULL DEFAULT 0;
+-- Version 5: where a TRUNCATE re-check stands (the last key re-checked).
+IF COL_LENGTH(N'[skein].[progress]', N'recheck_after') IS NULL
+    ALTER TABLE [skein].[progress] ADD [recheck_after] nvarchar(max) NULL;
 
 -- Version 4: the partition count records are keyed by, per group and topic.
 IF OBJECT_ID(N'[skein].[transport]', N'U') IS NULL
@@ -90,5 +93,5 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND obje
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
     CREATE INDEX [outbox_entity_key] ON [skein].[outbox] ([entity], [key], [id]);
 
-IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 4)
-    INSERT INTO [skein].[schema_version] ([version]) VALUES (4);
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 5)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (5);

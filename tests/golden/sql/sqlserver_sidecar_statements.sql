@@ -5,13 +5,13 @@ EXEC sp_getapplock @Resource = N'skein.sidecar.migrate', @LockMode = 'Exclusive'
 COMMIT TRAN;;
 
 -- progress of a partition
-SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
+SELECT CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch], [recheck_after] FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
 
 -- an applier takes a partition
-UPDATE [skein].[progress] SET [epoch] = [epoch] + 1 OUTPUT CAST(inserted.[position] AS nvarchar(40)), inserted.[source_commit], inserted.[source_seq], inserted.[epoch] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
+UPDATE [skein].[progress] SET [epoch] = [epoch] + 1 OUTPUT CAST(inserted.[position] AS nvarchar(40)), inserted.[source_commit], inserted.[source_seq], inserted.[epoch], inserted.[recheck_after] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
 
 -- progress of every partition
-SELECT [partition], CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch] FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 ORDER BY [partition];
+SELECT [partition], CAST([position] AS nvarchar(40)), [source_commit], [source_seq], [epoch], [recheck_after] FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 ORDER BY [partition];
 
 -- forget partitions' progress (re-keying)
 DELETE FROM [skein].[progress] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
@@ -23,10 +23,10 @@ SELECT [partitions] FROM [skein].[transport] WHERE [group_name] = @P1 AND [topic
 SET XACT_ABORT ON; BEGIN TRAN; UPDATE [skein].[transport] WITH (UPDLOCK, HOLDLOCK) SET [partitions] = @P3, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2; IF @@ROWCOUNT = 0 INSERT INTO [skein].[transport] ([group_name], [topic], [partitions]) VALUES (@P1, @P2, @P3); COMMIT TRAN;;
 
 -- batch transaction 1a: fence
-UPDATE [skein].[progress] SET [position] = CAST(@P4 AS decimal(25,0)), [source_commit] = @P6, [source_seq] = @P7, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = CAST(@P5 AS decimal(25,0)) AND [epoch] = @P8;
+UPDATE [skein].[progress] SET [position] = CAST(@P4 AS decimal(25,0)), [source_commit] = @P6, [source_seq] = @P7, [recheck_after] = @P9, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = CAST(@P5 AS decimal(25,0)) AND [epoch] = @P8;
 
 -- batch transaction 1b: first progress
-INSERT INTO [skein].[progress] ([group_name], [topic], [partition], [position], [source_commit], [source_seq]) SELECT @P1, @P2, @P3, CAST(@P4 AS decimal(25,0)), @P5, @P6 WHERE NOT EXISTS (SELECT 1 FROM [skein].[progress] WITH (UPDLOCK, HOLDLOCK) WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3);
+INSERT INTO [skein].[progress] ([group_name], [topic], [partition], [position], [source_commit], [source_seq], [recheck_after]) SELECT @P1, @P2, @P3, CAST(@P4 AS decimal(25,0)), @P5, @P6, @P7 WHERE NOT EXISTS (SELECT 1 FROM [skein].[progress] WITH (UPDLOCK, HOLDLOCK) WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3);
 
 -- batch transaction 2: batch row
 INSERT INTO [skein].[batch] ([correlation_id], [group_name], [topic], [partition], [lower_position], [upper_position], [record_count], [entity_count], [event_count], [has_data_loss], [dead_letters]) OUTPUT INSERTED.[id] VALUES (CAST(@P1 AS uniqueidentifier), @P2, @P3, @P4, CAST(@P5 AS decimal(25,0)), CAST(@P6 AS decimal(25,0)), @P7, @P8, @P9, @P10, @P11);
@@ -41,7 +41,7 @@ MERGE [skein].[version] WITH (HOLDLOCK) AS t USING (VALUES (@P1, @P2, @P3, @P4),
 SELECT [key], [etag], CAST([is_deleted] AS int) FROM [skein].[version] WHERE [entity] = @P1 AND [key] IN (@P2, @P3, @P4);
 
 -- truncate: the keys to re-check
-SELECT [key] FROM [skein].[version] WHERE [entity] = @P1 AND [is_deleted] = 0 ORDER BY [key];
+SELECT TOP (@P3) [key] FROM [skein].[version] WHERE [entity] = @P1 AND [is_deleted] = 0 AND (@P2 IS NULL OR [key] > @P2) ORDER BY [key];
 
 -- pending outbox
 SELECT CAST(COUNT(*) AS bigint), COALESCE(DATEDIFF_BIG(millisecond, MIN([enqueued_at]), SYSUTCDATETIME()), 0) FROM [skein].[outbox] WHERE [dequeued_at] IS NULL;
@@ -68,7 +68,7 @@ SET XACT_ABORT ON; BEGIN TRAN; UPDATE [skein].[relay] WITH (UPDLOCK, HOLDLOCK) S
 SELECT [name], [state], [last_error], CONVERT(nvarchar(19), [error_at], 126) + N'Z', CONVERT(nvarchar(19), [updated_at], 126) + N'Z' FROM [skein].[relay] ORDER BY [name];
 
 -- replay: rewind a partition
-UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;
+UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_seq] = NULL, [recheck_after] = NULL, [epoch] = [epoch] + 1, [updated_at] = SYSUTCDATETIME() WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 AND [position] = @P4;
 
 -- replay --republish: forget two versions
 DELETE FROM [skein].[version] WHERE [entity] = @P1 AND [key] IN (@P2, @P3);
