@@ -948,3 +948,50 @@ async fn changing_partitions_with_a_backlog_is_refused() {
     assert_eq!(subjects.len(), 42);
     assert_exactly_once(&env).await;
 }
+
+/// `replay --republish` forgets the versions of the aggregates in the
+/// replayed range, and never of the key a truncate notice carries (its
+/// partition number): a customer whose key equals it keeps its version,
+/// so a later TRUNCATE still re-checks it and publishes its delete.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_republish_leaves_truncate_notices_alone() {
+    let env = Env::new_kafka("replay_truncate", same).await;
+    let dynamic = [("SKEIN_INSTANCE_ID", "")];
+    let mut run = env.start_with(&dynamic).await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) SELECT g, 'c' || g FROM generate_series(0, 5) g;",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mid = chrono_now_ms();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A child table: notices to every partition, no aggregate changes.
+    env.step(&mut run, "TRUNCATE contact").await;
+    run.stop(&env);
+    assert_eq!(env.outbox().await.len(), 6);
+    let text = env.skein_ok(&["replay", "--from-time", &mid.to_string(), "--republish"]);
+    assert!(
+        text.contains("cleared the stored versions of 0 aggregate(s)"),
+        "only notices were replayed: {text}"
+    );
+    let mut run = env.start_with(&dynamic).await;
+    env.settle(&mut run).await;
+    env.step(
+        &mut run,
+        "TRUNCATE customer, address, address_line, contact",
+    )
+    .await;
+    run.stop(&env);
+    let mut deleted: Vec<String> = env
+        .outbox()
+        .await
+        .iter()
+        .filter(|e| e["action"] == "deleted")
+        .map(|e| e["subject"].as_str().unwrap().to_string())
+        .collect();
+    deleted.sort();
+    let want: Vec<String> = (0..=5).map(|i| format!("customer.{i}")).collect();
+    assert_eq!(deleted, want);
+    assert_exactly_once(&env).await;
+}
