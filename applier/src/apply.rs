@@ -240,7 +240,12 @@ impl<S: Sidecar> Applier<S> {
             } => (records, dropped, source_after),
         };
         let last = Step {
-            position: d.upper.numeric(),
+            // Never back: an in-process part below the progress (see
+            // `fresh`) leaves it where it is.
+            position: d
+                .upper
+                .numeric()
+                .max(expected.as_ref().map_or(i128::MIN, |p| p.position)),
             source: source_after,
             recheck_after: None,
             dropped,

@@ -38,8 +38,7 @@ pub enum Fresh {
 /// Decides what of `d` is new given the partition's committed progress.
 ///
 /// * A delivery whose `upper` is at or before the progress was applied
-///   (in-process: before it, or at it with no record after the last
-///   source change applied).
+///   (in-process: when it has no record the rules below take as new).
 /// * In-process ([`Checkpoint::Source`]) a record is new when its commit
 ///   position is after the progress (batches hold whole transactions) and
 ///   its change position after the last source change applied: a part of
@@ -59,7 +58,11 @@ pub fn fresh(d: &Delivery, committed: Option<&Progress>) -> Fresh {
     let floor = committed.map(|p| p.position);
     let by_offset = matches!(d.upper, Checkpoint::Offset(_));
     let upper = d.upper.numeric();
-    if floor.is_some_and(|f| upper < f || (by_offset && upper == f)) {
+    // Over Kafka an offset at or before the progress was consumed. In-process
+    // the records decide: a part of a large transaction has its lower
+    // bound as upper, and may come from a source restarted behind the
+    // progress (a lost state directory) with records past it.
+    if by_offset && floor.is_some_and(|f| upper <= f) {
         return Fresh::Applied;
     }
     let applied_source = committed.and_then(|p| p.source);
@@ -83,7 +86,7 @@ pub fn fresh(d: &Delivery, committed: Option<&Progress>) -> Fresh {
         .filter(|r| seen.insert((r.position, &r.entity, &r.root_key)))
         .cloned()
         .collect();
-    if !by_offset && floor == Some(upper) && records.is_empty() {
+    if !by_offset && floor.is_some_and(|f| upper <= f) && records.is_empty() {
         // Sent again (an extractor that crashed before its marker): its
         // data-loss notice and dead letters were recorded with it.
         return Fresh::Applied;
@@ -338,5 +341,48 @@ mod tests {
         // roots) is not a repeat.
         let d = src(0, 10, vec![rec("1", 10, 0), rec("2", 10, 0)]);
         assert_eq!(keys(&fresh(&d, None)), vec![(10, 0), (10, 0)]);
+    }
+
+    /// `transport.partitions` changed after a crash that left a part
+    /// applied in some partitions and not others: a part moves no progress
+    /// position, so only the partitions' last source changes tell that
+    /// they are past the marker; those must be forgotten, or a re-sent
+    /// record that lands in one of them is dropped, though its old
+    /// partition never applied it.
+    #[test]
+    fn in_process_a_rekeyed_resent_part_is_not_dropped_where_it_was_never_applied() {
+        use crate::run::{rekey_in_process, TopicProgress};
+        // Marker at 10, transaction ending at 50. Part 1 (seq 0..=1)
+        // applied by both old partitions; part 2 (seq 2..=3) applied by old
+        // partition 0 only (seq 3), then the crash, before the marker.
+        let known = TopicProgress {
+            recorded: Some(2),
+            progress: vec![
+                (0, progress(10, Some(pos(50, 3)))),
+                (1, progress(10, Some(pos(50, 1)))),
+            ],
+        };
+        let forgotten = rekey_in_process(&known, Some(10));
+        assert_eq!(forgotten, vec![0, 1]);
+        // Restart with 3 partitions: part 2 is sent again, and the record
+        // at seq 2 (old partition 1, never applied) now falls in partition 0.
+        let resent = src(10, 10, vec![rec("x", 50, 2)]);
+        assert_eq!(keys(&fresh(&resent, None)), vec![(50, 2)]);
+    }
+
+    /// A part whose lower is before a partition's progress (the extractor
+    /// restarted from the slot's confirmed position, behind the sidecar,
+    /// after its state directory was lost) is judged by its records, which
+    /// lie past both the progress and the last source change.
+    #[test]
+    fn in_process_a_part_below_the_progress_with_new_records_is_not_dropped() {
+        let part = src(8, 8, vec![rec("5", 50, 4)]);
+        let at = progress(10, Some(pos(10, 7)));
+        assert_eq!(keys(&fresh(&part, Some(&at))), vec![(50, 4)]);
+        // What it has that was applied is still dropped.
+        let part = src(8, 8, vec![rec("4", 10, 7), rec("5", 50, 4)]);
+        assert_eq!(keys(&fresh(&part, Some(&at))), vec![(50, 4)]);
+        let old = src(8, 8, vec![rec("4", 10, 7)]);
+        assert_eq!(fresh(&old, Some(&at)), Fresh::Applied);
     }
 }

@@ -310,7 +310,13 @@ pub fn rekey_in_process(known: &TopicProgress, resume: Option<i128>) -> Vec<u32>
     known
         .progress
         .iter()
-        .filter(|(_, at)| resume.is_none_or(|r| at.position > r))
+        // A part of a large transaction moves no position, only the last
+        // source change: one past the restart point counts as well.
+        .filter(|(_, at)| {
+            resume.is_none_or(|r| {
+                at.position > r || at.source.is_some_and(|s| s.commit.numeric() > r)
+            })
+        })
         .map(|(p, _)| *p)
         .collect()
 }

@@ -44,6 +44,12 @@ pub struct InFlight {
     pub end: SourcePosition,
     /// How many of its changes, in stream order, are handed over.
     pub changes: u64,
+    /// How many of those the extractor tracked (their records numbered the
+    /// transaction's so far): the records after them number on from it,
+    /// even when the config changed meanwhile. Absent in markers written
+    /// before it existed (counted again then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracked: Option<u32>,
 }
 
 impl Marker {
@@ -221,6 +227,7 @@ mod tests {
                     commit: PgLsn(20).into(),
                     end: PgLsn(30).into(),
                     changes,
+                    tracked: Some(7),
                 }),
                 ..m(10)
             };

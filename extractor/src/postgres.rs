@@ -116,8 +116,15 @@ impl Arriving {
                     .iter()
                     .filter(|c| is_tracked(by_table, c))
                     .count();
-                tx.before_tracked += u32::try_from(tracked).unwrap_or(u32::MAX);
+                tx.before_tracked = tx
+                    .before_tracked
+                    .saturating_add(u32::try_from(tracked).unwrap_or(u32::MAX));
                 tx.before += skip as u64;
+                if let (true, Some(t)) = (tx.before == r.changes, r.tracked) {
+                    // As numbered when they were handed over, whatever the
+                    // config says now.
+                    tx.before_tracked = t;
+                }
                 tx.changes.drain(..skip);
                 tx.unchanged.retain_mut(|(i, _)| {
                     let keep = *i >= skip;
@@ -640,7 +647,8 @@ impl PgSource {
                         if !tx.truncated.is_empty()
                             && self.cfg.extractor.on_truncate == OnTruncate::Stop
                         {
-                            return Err(truncate_stop(&tx));
+                            let spilled_rows = spilled.as_ref().map_or(0, SpillWriter::count);
+                            return Err(truncate_stop(&tx, spilled_rows));
                         }
                         if let Some(mut w) = spilled {
                             // Handed over in parts, after the transactions
@@ -685,7 +693,14 @@ impl PgSource {
         // A keepalive seen while no transaction was open says nothing more
         // for us committed before it: the marker may move there, which lets
         // the slot release WAL on an otherwise quiet publication.
-        if self.open_tx.is_none() && self.draining.is_none() && self.idle_upper > upper {
+        // Not while a large transaction is handed over, nor before the one
+        // in flight at the last stop came back: the marker would forget
+        // what was handed over of it.
+        if self.open_tx.is_none()
+            && self.draining.is_none()
+            && self.large.resume.is_none()
+            && self.idle_upper > upper
+        {
             upper = self.idle_upper;
         }
         Ok(SourceBatch {
@@ -723,11 +738,14 @@ impl PgSource {
             .filter(|c| is_tracked(&self.by_table, c))
             .count();
         d.tx.before += tx.changes.len() as u64;
-        d.tx.before_tracked += u32::try_from(tracked).unwrap_or(u32::MAX);
+        d.tx.before_tracked = tx
+            .before_tracked
+            .saturating_add(u32::try_from(tracked).unwrap_or(u32::MAX));
         let in_flight = (d.reader.remaining() > 0).then(|| InFlight {
             commit: d.tx.commit_lsn.into(),
             end: d.tx.end_lsn.into(),
             changes: d.tx.before,
+            tracked: Some(d.tx.before_tracked),
         });
         if in_flight.is_none() {
             self.draining = None;
@@ -1040,13 +1058,16 @@ impl ChangeSource for PgSource {
                 let batch = self
                     .read_transactions(lower, limits.max_changes, limits.linger, limits.max_wait)
                     .await?;
-                match self.next_part(lower, limits.max_changes)? {
+                if !batch.txs.is_empty() {
+                    // A large transaction that committed after these is
+                    // handed over from the next batch on.
+                    batch
+                } else if let Some((part, f)) = self.next_part(lower, limits.max_changes)? {
                     // A large transaction committed first thing.
-                    Some((part, f)) if batch.txs.is_empty() => {
-                        in_flight = f;
-                        part
-                    }
-                    _ => batch,
+                    in_flight = f;
+                    part
+                } else {
+                    batch
                 }
             }
         };
@@ -1081,7 +1102,11 @@ impl ChangeSource for PgSource {
 
 /// The error a transaction with a TRUNCATE stops the pipeline with: it
 /// names no rows, so no aggregate can be resolved from it.
-fn truncate_stop(tx: &Tx) -> Error {
+/// `spilled`: the transaction's changes written to disk (a large one).
+fn truncate_stop(tx: &Tx, spilled: u64) -> Error {
+    let rows = tx.before + spilled + tx.changes.len() as u64;
+    // Each truncated table is one change of its own.
+    let rows = rows.saturating_sub(tx.truncated.len() as u64);
     Error::NotReady {
         message: format!(
             "TRUNCATE of {} in transaction {} at position {}: a TRUNCATE names no rows, so skein \
@@ -1099,7 +1124,7 @@ fn truncate_stop(tx: &Tx) -> Error {
              before the TRUNCATE reaches the stream; to keep TRUNCATE out of the stream, \
              publish only 'insert, update, delete' (what `skein sql source` prints with \
              `on_truncate: stop`).",
-            tx.changes.iter().filter(|c| c.op != Op::Truncate).count(),
+            rows,
             tx.end_lsn
         ),
     }
@@ -1209,6 +1234,68 @@ mod tests {
 
     use super::*;
     use crate::pgoutput::RelColumn;
+
+    fn change(table: &str) -> RawChange {
+        RawChange {
+            table: ("public".into(), table.into()),
+            op: Op::Insert,
+            old: None,
+            new: Some(Default::default()),
+        }
+    }
+
+    #[test]
+    fn a_resumed_transaction_numbers_on_from_what_the_marker_says() {
+        let by_table: TableIndex = [(("public".to_string(), "customer".to_string()), vec![(0, 0)])]
+            .into_iter()
+            .collect();
+        let mut arriving = Arriving {
+            resume: Some(InFlight {
+                commit: PgLsn(100).into(),
+                end: PgLsn(120).into(),
+                changes: 3,
+                // Numbered under a config that tracked more than this one.
+                tracked: Some(9),
+            }),
+            ..Arriving::default()
+        };
+        let mut tx = Tx::begin(7, PgLsn(100), 0);
+        for t in ["customer", "audit", "customer", "customer"] {
+            tx.changes.push(change(t));
+            if t == "audit" {
+                tx.unchanged.push((tx.changes.len() - 1, vec!["x".into()]));
+            }
+            arriving.absorb(&mut tx, &by_table, 1000).unwrap();
+        }
+        assert_eq!((tx.before, tx.before_tracked), (3, 9));
+        assert_eq!(tx.changes.len(), 1, "the fourth change is kept");
+        assert!(
+            tx.unchanged.is_empty(),
+            "the skipped change's TOAST note went with it"
+        );
+        tx.end_lsn = PgLsn(120);
+        arriving.resumed(&tx).unwrap();
+        assert!(arriving.resume.is_none());
+        // Without the stored count, the tracked changes skipped are counted.
+        let mut arriving = Arriving {
+            resume: Some(InFlight {
+                commit: PgLsn(100).into(),
+                end: PgLsn(120).into(),
+                changes: 3,
+                tracked: None,
+            }),
+            ..Arriving::default()
+        };
+        let mut tx = Tx::begin(7, PgLsn(100), 0);
+        for t in ["customer", "audit", "customer"] {
+            tx.changes.push(change(t));
+            arriving.absorb(&mut tx, &by_table, 1000).unwrap();
+        }
+        assert_eq!((tx.before, tx.before_tracked), (3, 2));
+        // A transaction that comes back different is an error, not a guess.
+        tx.end_lsn = PgLsn(121);
+        assert!(arriving.resumed(&tx).is_err());
+    }
 
     fn rel(cols: &[(&str, u32)]) -> Relation {
         Relation {

@@ -75,8 +75,13 @@ impl SpillWriter {
     pub fn write(&mut self, changes: impl IntoIterator<Item = Spilled>) -> Result<()> {
         let out = self.out.as_mut().expect("a writer is open until finished");
         for c in changes {
-            serde_json::to_writer(&mut *out, &c)
-                .map_err(|e| Error::Decode(format!("spilling a change: {e}")))?;
+            serde_json::to_writer(&mut *out, &c).map_err(|e| {
+                if e.is_io() {
+                    io_err(&self.path, "writing", e.into())
+                } else {
+                    Error::Decode(format!("spilling a change: {e}"))
+                }
+            })?;
             out.write_all(b"\n")
                 .map_err(|e| io_err(&self.path, "writing", e))?;
             self.count += 1;
@@ -162,9 +167,15 @@ impl Drop for SpillReader {
 }
 
 fn io_err(path: &Path, doing: &str, e: std::io::Error) -> Error {
+    let hint = if e.kind() == std::io::ErrorKind::StorageFull {
+        " (a large transaction needs disk under state_dir/spill in proportion to its \
+         changes: free some, or move state_dir, then start again)"
+    } else {
+        ""
+    };
     Error::State {
         dir: path.display().to_string(),
-        message: format!("{doing} the spill file of a large transaction: {e}"),
+        message: format!("{doing} the spill file of a large transaction: {e}{hint}"),
     }
 }
 
