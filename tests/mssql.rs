@@ -705,6 +705,82 @@ async fn mssql_sidecar_on_sql_server_commits_each_event_once() {
     assert_eq!(rows[0][0], SqlValue::Int(2));
 }
 
+/// `source.time_zone`: commit times recorded as local times on either
+/// side of a DST switch each get their own day's offset. The capture job
+/// records the server's clock; the test rewrites the two transactions'
+/// `tran_end_time` (sysadmin may) before skein reads them, to a January
+/// and a July noon in Central Europe (UTC+1, then UTC+2).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_commit_times_keep_their_own_dst_offset() {
+    let mut env = MsEnv::new("dst", |y| {
+        y.replace(
+            "  kind: sqlserver\n",
+            "  kind: sqlserver\n  time_zone: \"W. Europe Standard Time\"\n",
+        )
+    })
+    .await;
+    env.exec("INSERT INTO dbo.customer (id, name) VALUES (1, N'winter');")
+        .await;
+    env.exec("INSERT INTO dbo.customer (id, name) VALUES (2, N'summer');")
+        .await;
+    env.wait_captured().await;
+    env.exec(
+        "UPDATE m SET tran_end_time = CASE c.[id] WHEN 1 THEN '2024-01-15T12:00:00' ELSE '2024-07-15T12:00:00' END \
+         FROM cdc.lsn_time_mapping m JOIN cdc.[dbo_customer_CT] c ON c.[__$start_lsn] = m.start_lsn \
+         WHERE c.[id] IN (1, 2);",
+    )
+    .await;
+    let mut run = env.start();
+    env.settle(&mut run).await;
+    env.stop(run);
+    let time = |subject: &str| {
+        env.events()
+            .iter()
+            .find(|e| e["subject"] == subject)
+            .map(|e| e["time"].clone())
+    };
+    assert_eq!(
+        time("customer.1"),
+        Some("2024-01-15T11:00:00.000000Z".into())
+    );
+    assert_eq!(
+        time("customer.2"),
+        Some("2024-07-15T10:00:00.000000Z".into())
+    );
+    assert!(
+        env.log()
+            .contains("commit times are read in this time zone"),
+        "{}",
+        env.log()
+    );
+}
+
+/// A `source.time_zone` the server does not know stops `skein validate`
+/// and `skein run` with the query that lists the names it knows.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_an_unknown_time_zone_is_refused() {
+    let env = MsEnv::new("bad_time_zone", |y| {
+        y.replace(
+            "  kind: sqlserver\n",
+            "  kind: sqlserver\n  time_zone: \"Mars Standard Time\"\n",
+        )
+    })
+    .await;
+    for args in [&["validate"][..], &["run"][..]] {
+        let out = env.command(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let text = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("`Mars Standard Time` is not a time zone this server knows")
+                && text.contains("sys.time_zone_info"),
+            "{args:?}: {text}"
+        );
+    }
+}
+
 /// Runs everywhere (no SQL Server needed): the TDS client fails with the
 /// address in the message when nothing listens, and with an error, not a
 /// hang or a panic, when something else answers (PostgreSQL here).

@@ -30,8 +30,9 @@ pub async fn validate(cfg: &Config) -> Result<Validation> {
         Source::SqlServer(ms) => {
             // Connecting checks tables, columns and types; `check` the CDC set-up.
             let mut source = MssqlSource::connect(cfg, ms).await?;
-            source.check().await?;
+            let notes = source.check().await?;
             Ok(Validation {
+                notes,
                 ok: format!(
                     "CDC is enabled, every tracked table has a readable capture instance with \
                      its key and join columns{}",

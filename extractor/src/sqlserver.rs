@@ -15,6 +15,8 @@
 //! server: CDC cleanup follows its own retention, which is why the
 //! validity check runs on every batch.
 
+pub mod clock;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -24,8 +26,9 @@ use skein_common::sqlvalue::SqlValue;
 use skein_common::{ChangeRecord, Op, RootKey, SourcePosition};
 use skein_sql::sqlserver::MssqlClient;
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
-use tracing::warn;
+use tracing::{debug, info, warn};
 
+use self::clock::{ClockFacts, CommitClock, ServerVersion};
 use crate::error::{Error, Result};
 use crate::resolve::RowImage;
 use crate::resolve::{BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
@@ -394,6 +397,10 @@ pub struct MssqlSource {
     /// The highest minimum LSN whose loss was accepted (or, after a first
     /// start, the instances' content taken as the start) ([`plan_reads`]).
     accepted_loss: Option<SqlServerLsn>,
+    /// `source.time_zone`.
+    time_zone: Option<String>,
+    /// How commit times become UTC, decided by `prepare`.
+    clock: CommitClock,
 }
 
 fn lsn_of(v: &SqlValue, what: &str) -> Result<SqlServerLsn> {
@@ -513,6 +520,8 @@ impl MssqlSource {
             poll: Duration::from_millis(source.poll_interval_ms),
             database,
             accepted_loss: None,
+            time_zone: source.time_zone.clone(),
+            clock: CommitClock::CurrentOffset,
         })
     }
 
@@ -708,11 +717,72 @@ impl MssqlSource {
     }
 
     /// What `skein validate` checks: CDC on the database, the capture
-    /// instances and their columns, the capture job and the agent, and that
-    /// every capture instance is readable.
-    pub async fn check(&mut self) -> Result<()> {
+    /// instances and their columns, the capture job and the agent, that
+    /// every capture instance is readable, and `source.time_zone`. Returns
+    /// what is worth knowing without a fix (the commit-time warning).
+    pub async fn check(&mut self) -> Result<Vec<String>> {
         self.check_cdc().await?;
-        self.min_lsns().await.map(|_| ())
+        self.min_lsns().await?;
+        let (_, warning) = self.choose_clock().await?;
+        Ok(warning.into_iter().collect())
+    }
+
+    /// Decides how commit times become UTC ([`clock`]): asks the server
+    /// what it has and checks `source.time_zone` against it.
+    async fn choose_clock(&mut self) -> Result<(CommitClock, Option<String>)> {
+        use skein_sql::sqlserver::{
+            CURRENT_TIME_ZONE_SQL, SERVER_VERSION_SQL, TIME_ZONE_KNOWN_SQL,
+        };
+        let rows = self
+            .client
+            .query("reading the server version", SERVER_VERSION_SQL, &[])
+            .await?;
+        let version = ServerVersion::from_row(rows.first().map(Vec::as_slice).unwrap_or_default());
+        let server_zone = if version.has_current_timezone_id() {
+            match self
+                .client
+                .query("reading the server's time zone", CURRENT_TIME_ZONE_SQL, &[])
+                .await
+            {
+                Ok(rows) => rows
+                    .first()
+                    .and_then(|r| r.first())
+                    .and_then(SqlValue::to_text),
+                Err(e) if e.is_retryable() => return Err(e.into()),
+                // A server without the function after all: as if it had none.
+                Err(e) => {
+                    debug!(error = %e, "CURRENT_TIMEZONE_ID() is not available");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let configured_known = match &self.time_zone {
+            Some(tz) if version.has_at_time_zone() => {
+                let rows = self
+                    .client
+                    .query(
+                        "looking source.time_zone up in sys.time_zone_info",
+                        TIME_ZONE_KNOWN_SQL,
+                        &[&tz.as_str()],
+                    )
+                    .await?;
+                Some(
+                    matches!(rows.first().and_then(|r| r.first()), Some(SqlValue::Int(n)) if *n > 0),
+                )
+            }
+            _ => None,
+        };
+        let facts = ClockFacts {
+            version,
+            configured_known,
+            server_zone,
+        };
+        clock::choose_clock(self.time_zone.as_deref(), &facts).map_err(|p| Error::NotReady {
+            message: p.message,
+            fix: p.fix,
+        })
     }
 
     /// For `skein status`: the highest LSN CDC has written and each capture
@@ -815,13 +885,15 @@ impl MssqlSource {
         from: SqlServerLsn,
         upper: SqlServerLsn,
     ) -> Result<HashMap<SqlServerLsn, (i64, u64)>> {
+        let (from, upper) = (from.0.to_vec(), upper.0.to_vec());
+        let zone = self.clock.zone().map(str::to_string);
+        let mut params: Vec<&dyn tiberius::ToSql> = vec![&from, &upper];
+        if let Some(z) = &zone {
+            params.push(z);
+        }
         let rows = self
             .client
-            .query(
-                "reading commit times",
-                skein_sql::sqlserver::LSN_TIME_SQL,
-                &[&from.0.to_vec(), &upper.0.to_vec()],
-            )
+            .query("reading commit times", self.clock.sql(), &params)
             .await?;
         let mut out = HashMap::new();
         for r in rows {
@@ -989,6 +1061,15 @@ impl ChangeSource for MssqlSource {
         // capture instance cleaned up past it is reported as data loss.
         let marker = crate::marker_in(marker.or(floor), SourcePosition::sqlserver)?;
         self.check_cdc().await?;
+        let (clock, warning) = self.choose_clock().await?;
+        match (&warning, clock.zone()) {
+            (Some(w), _) => warn!("{w}"),
+            (None, Some(zone)) => {
+                info!(time_zone = zone, "commit times are read in this time zone")
+            }
+            (None, None) => {}
+        }
+        self.clock = clock;
         let mins = self.min_lsns().await?;
         let Some(m) = marker else {
             // First start: everything the capture instances still hold.

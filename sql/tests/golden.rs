@@ -402,6 +402,13 @@ fn sqlserver_source_statements_are_frozen() {
         ("the agent", sqlserver::AGENT_STATUS_SQL),
         ("capture errors", sqlserver::LOG_SCAN_ERRORS_SQL),
         ("commit times", sqlserver::LSN_TIME_SQL),
+        (
+            "commit times, the time zone unknown",
+            sqlserver::LSN_TIME_CURRENT_OFFSET_SQL,
+        ),
+        ("server version and edition", sqlserver::SERVER_VERSION_SQL),
+        ("the server's time zone", sqlserver::CURRENT_TIME_ZONE_SQL),
+        ("a configured time zone", sqlserver::TIME_ZONE_KNOWN_SQL),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))

@@ -166,13 +166,39 @@ FROM sys.dm_cdc_log_scan_sessions WHERE error_count > 0 ORDER BY end_time DESC";
 
 /// Commit time (UTC, µs since the Unix epoch) and transaction id of the
 /// transactions that committed in `[@P1, @P2]`. `cdc.lsn_time_mapping`
-/// holds server-local time; it is shifted by the server's current UTC
-/// offset.
+/// holds server-local time (`datetime`); it is read as a time in the
+/// server's Windows time zone `@P3` and converted to UTC with that zone's
+/// rules for the day it names (`AT TIME ZONE`, SQL Server 2016+), so a
+/// change committed before a DST switch keeps its own offset. In the hour
+/// the clocks go back, a local time names two instants; `AT TIME ZONE`
+/// takes the offset before the switch, the earlier one.
 pub const LSN_TIME_SQL: &str = "SELECT m.start_lsn, \
+DATEDIFF_BIG(microsecond, '19700101', CONVERT(datetime2(7), m.tran_end_time AT TIME ZONE @P3 AT TIME ZONE N'UTC')), \
+m.tran_id \
+FROM cdc.lsn_time_mapping m \
+WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2";
+
+/// [`LSN_TIME_SQL`] for a server whose time zone is unknown: shifted by
+/// its *current* UTC offset, so a change committed on the other side of
+/// the last DST switch is off by the shift.
+pub const LSN_TIME_CURRENT_OFFSET_SQL: &str = "SELECT m.start_lsn, \
 DATEDIFF_BIG(microsecond, '19700101', DATEADD(minute, DATEDIFF(minute, SYSDATETIME(), SYSUTCDATETIME()), m.tran_end_time)), \
 m.tran_id \
 FROM cdc.lsn_time_mapping m \
 WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2";
+
+/// The server's major version (13 is SQL Server 2016, 16 is 2022) and
+/// engine edition (5 Azure SQL Database, 8 Azure SQL Managed Instance):
+/// which of `AT TIME ZONE` and `CURRENT_TIMEZONE_ID()` it has.
+pub const SERVER_VERSION_SQL: &str = "SELECT CAST(SERVERPROPERTY('ProductMajorVersion') AS int), \
+CAST(SERVERPROPERTY('EngineEdition') AS int)";
+
+/// The server's Windows time zone (SQL Server 2022+, Azure SQL; older
+/// versions do not know the function and refuse the statement).
+pub const CURRENT_TIME_ZONE_SQL: &str = "SELECT CURRENT_TIMEZONE_ID()";
+
+/// Whether `@P1` is a time zone the server knows (SQL Server 2016+).
+pub const TIME_ZONE_KNOWN_SQL: &str = "SELECT COUNT(*) FROM sys.time_zone_info WHERE name = @P1";
 
 /// The T-SQL that fixes a failed CDC check, for error messages.
 pub fn fix_capture_job() -> &'static str {
