@@ -536,9 +536,8 @@ async fn mssql_column_types_have_the_postgres_formats() {
     assert_eq!(ev["key"], "1,k-ü");
 }
 
-/// Publishes customer 1, stops, changes it, lets CDC cleanup remove the
-/// change, and returns (so the next start finds the marker before `min_lsn`).
-async fn publish_then_lose_a_change(env: &mut MsEnv) {
+/// Runs the pipeline until customer 1 (Ada) is published, then stops it.
+async fn publish_ada(env: &mut MsEnv) {
     let mut run = env.start();
     env.step(
         &mut run,
@@ -546,6 +545,12 @@ async fn publish_then_lose_a_change(env: &mut MsEnv) {
     )
     .await;
     env.stop(run);
+}
+
+/// Publishes customer 1, stops, changes it, lets CDC cleanup remove the
+/// change, and returns (so the next start finds the marker before `min_lsn`).
+async fn publish_then_lose_a_change(env: &mut MsEnv) {
+    publish_ada(env).await;
     env.exec("UPDATE dbo.customer SET name = N'lost' WHERE id = 1;")
         .await;
     env.wait_captured().await;
@@ -612,13 +617,7 @@ async fn mssql_data_loss_continue_records_it_and_goes_on() {
 #[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
 async fn mssql_crash_between_outbox_and_progress_publishes_nothing_twice() {
     let mut env = MsEnv::new("retry_incomplete", same).await;
-    let mut run = env.start();
-    env.step(
-        &mut run,
-        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
-    )
-    .await;
-    env.stop(run);
+    publish_ada(&mut env).await;
     // The next batch dies after its sidecar commit, before the extractor
     // stores its marker: the restart re-reads the window, appliers drop it.
     let mut crashing = env
@@ -779,6 +778,144 @@ async fn mssql_an_unknown_time_zone_is_refused() {
             "{args:?}: {text}"
         );
     }
+}
+
+/// The cleanup retention: a change skein has not read, older than 80% of
+/// the cleanup job's retention, shows in `skein status` and warns in the
+/// log at start. The retention is set to 2 minutes and the unread
+/// transactions' recorded commit time to 110 s ago (92% of it).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_an_old_unread_change_warns_before_cleanup_removes_it() {
+    let mut env = MsEnv::new("cleanup_retention", same).await;
+    env.exec("EXEC sys.sp_cdc_change_job @job_type = N'cleanup', @retention = 2;")
+        .await;
+    publish_ada(&mut env).await;
+    let fresh: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    assert_eq!(fresh["source"]["retention_warning"], false, "{fresh}");
+    assert_eq!(fresh["source"]["cleanup_retention_minutes"], 2, "{fresh}");
+    env.exec("UPDATE dbo.customer SET name = N'unread' WHERE id = 1;")
+        .await;
+    env.wait_captured().await;
+    let before = env.max_lsn().await;
+    let hex: String = before.iter().map(|b| format!("{b:02X}")).collect();
+    // Every transaction up to now "committed" 110 s ago; the applied ones
+    // do not count, the unread update does.
+    env.exec(&format!(
+        "UPDATE cdc.lsn_time_mapping SET tran_end_time = DATEADD(second, -110, GETDATE()) \
+         WHERE start_lsn <= 0x{hex};"
+    ))
+    .await;
+    let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    let source = &status["source"];
+    let used = source["retention_used"].as_f64().unwrap();
+    assert!((0.8..1.0).contains(&used), "{source}");
+    assert_eq!(source["retention_warning"], true, "{source}");
+    assert!(source["oldest_unread_lsn"].is_string(), "{source}");
+    assert!(
+        source["unread_age_seconds"].as_i64().unwrap() >= 110,
+        "{source}"
+    );
+    let mut run = env.start();
+    env.settle(&mut run).await;
+    env.stop(run);
+    assert!(
+        env.log()
+            .contains("of the CDC cleanup job's retention (2 minutes)"),
+        "{}",
+        env.log()
+    );
+}
+
+/// A login that may not read msdb: `skein status` says the retention is
+/// unknown and why, `skein run` says so once in its log and publishes.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_an_unreadable_msdb_is_said_once_and_the_pipeline_goes_on() {
+    let mut env = MsEnv::new("msdb_unreadable", same).await;
+    let db = env
+        .url
+        .rsplit("database=")
+        .next()
+        .unwrap()
+        .trim_end_matches(';')
+        .to_string();
+    let mut master = ms(&mssql_url()).await;
+    ms_exec(
+        &mut master,
+        "IF SUSER_ID(N'skein_limited') IS NULL \
+           CREATE LOGIN skein_limited WITH PASSWORD = N'Skein-limited-1', CHECK_POLICY = OFF;",
+    )
+    .await;
+    env.exec(
+        "CREATE USER skein_limited FOR LOGIN skein_limited; \
+         ALTER ROLE db_owner ADD MEMBER skein_limited;",
+    )
+    .await;
+    // The same server and database, another login.
+    let limited = mssql_url()
+        .split(';')
+        .filter(|kv| {
+            let k = kv
+                .split('=')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            !["user", "user id", "uid", "password", "pwd", "database"].contains(&k.as_str())
+        })
+        .collect::<Vec<_>>()
+        .join(";")
+        + &format!(";user=skein_limited;password=Skein-limited-1;database={db}");
+    let out = env
+        .command(&["status"])
+        .env("SKEIN_SOURCE_URL", &limited)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let source = &status["source"];
+    assert!(
+        source["retention_unknown"]
+            .as_str()
+            .is_some_and(|r| r.contains("msdb")),
+        "{source}"
+    );
+    assert_eq!(source["retention_used"], Value::Null, "{source}");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(env.dir.join("skein.log"))
+        .unwrap();
+    let mut run = env
+        .command(&["run"])
+        .env("SKEIN_SOURCE_URL", &limited)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.step(
+        &mut run,
+        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
+    )
+    .await;
+    // Past the 30 s between checks: still said once.
+    tokio::time::sleep(Duration::from_secs(35)).await;
+    env.settle(&mut run).await;
+    env.stop(run);
+    assert_eq!(
+        env.log()
+            .matches("cannot read the CDC cleanup job's retention")
+            .count(),
+        1,
+        "{}",
+        env.log()
+    );
+    assert!(env.events().iter().any(|e| e["subject"] == "customer.1"));
 }
 
 /// Runs everywhere (no SQL Server needed): the TDS client fails with the

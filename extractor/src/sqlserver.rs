@@ -13,12 +13,15 @@
 //! `(__$start_lsn, __$seqval)` and resolves them to root keys. Nothing is
 //! held open between batches, and there is nothing to acknowledge to the
 //! server: CDC cleanup follows its own retention, which is why the
-//! validity check runs on every batch.
+//! validity check runs on every batch, and why the age of the oldest
+//! unread change is compared with that retention every 30 s
+//! ([`retention`]).
 
 pub mod clock;
+pub mod retention;
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use skein_common::config::{Config, SqlServerSource};
 use skein_common::position::SqlServerLsn;
@@ -29,6 +32,7 @@ use skein_sql::{Catalog, ColumnInfo, TableInfo};
 use tracing::{debug, info, warn};
 
 use self::clock::{ClockFacts, CommitClock, ServerVersion};
+use self::retention::{retention_warning, CleanupRetention};
 use crate::error::{Error, Result};
 use crate::resolve::RowImage;
 use crate::resolve::{BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
@@ -401,6 +405,12 @@ pub struct MssqlSource {
     time_zone: Option<String>,
     /// How commit times become UTC, decided by `prepare`.
     clock: CommitClock,
+    /// `extractor.retention_warn_fraction`.
+    retention_warn_fraction: f64,
+    /// When the cleanup retention was last checked.
+    retention_checked: Option<Instant>,
+    /// msdb could not be read (said once): no more retention checks.
+    msdb_unreadable: bool,
 }
 
 fn lsn_of(v: &SqlValue, what: &str) -> Result<SqlServerLsn> {
@@ -522,6 +532,9 @@ impl MssqlSource {
             accepted_loss: None,
             time_zone: source.time_zone.clone(),
             clock: CommitClock::CurrentOffset,
+            retention_warn_fraction: cfg.extractor.retention_warn_fraction,
+            retention_checked: None,
+            msdb_unreadable: false,
         })
     }
 
@@ -828,6 +841,143 @@ impl MssqlSource {
             out.push((name.to_string(), min));
         }
         Ok(out)
+    }
+
+    /// The first `cap + 1` change LSNs, in order, that the instances give
+    /// in their ranges up to `max` (`reads` in instance order): what sizes
+    /// a batch, and the oldest of them is the oldest change not read yet.
+    async fn first_change_lsns(
+        &mut self,
+        reads: &[InstanceRead],
+        max: SqlServerLsn,
+        cap: usize,
+    ) -> Result<Vec<SqlServerLsn>> {
+        // Instances with nothing up to `max` stay out of the window query.
+        type Bounds = Vec<(Vec<u8>, Vec<u8>)>;
+        let (names, bounds): (Vec<String>, Bounds) = self
+            .instances
+            .iter()
+            .zip(reads)
+            .filter_map(|(i, r)| {
+                instance_range(r, max).map(|(f, t)| (i.name.clone(), (f.0.to_vec(), t.0.to_vec())))
+            })
+            .unzip();
+        if names.is_empty() {
+            return Ok(vec![]);
+        }
+        let cap = i32::try_from(cap).unwrap_or(i32::MAX - 1);
+        let mut params: Vec<&dyn tiberius::ToSql> = vec![&cap];
+        for (f, t) in &bounds {
+            params.push(f);
+            params.push(t);
+        }
+        self.client
+            .query(
+                "sizing the batch",
+                &skein_sql::sqlserver::window_sql(&names),
+                &params,
+            )
+            .await?
+            .iter()
+            .map(|r| lsn_of(r.first().unwrap_or(&SqlValue::Null), "window LSN"))
+            .collect()
+    }
+
+    /// For `skein status`: the oldest change of a tracked table after
+    /// `after` (`None`: from the start of what CDC holds), whatever
+    /// cleanup removed meanwhile (the extractor reports losses).
+    pub async fn first_unread(
+        &mut self,
+        after: Option<SqlServerLsn>,
+    ) -> Result<Option<SqlServerLsn>> {
+        let mins = self.min_lsns().await?;
+        let max = self.max_lsn().await?;
+        let after = after.unwrap_or(SqlServerLsn::ZERO);
+        if max <= after {
+            return Ok(None);
+        }
+        let tables = facts_by_table(&self.instances, &mins);
+        let all_held = mins.iter().map(|(_, m)| *m).max();
+        let reads: Vec<InstanceRead> = plan_reads(after, &tables, all_held)
+            .into_iter()
+            .flatten()
+            .collect();
+        Ok(self
+            .first_change_lsns(&reads, max, 0)
+            .await?
+            .first()
+            .copied())
+    }
+
+    /// The CDC cleanup job's retention against the age of `first_unread`,
+    /// the oldest change not read yet (`None`: nothing unread).
+    /// `Ok(Err(reason))` when msdb cannot be read (permissions).
+    pub async fn cleanup_retention(
+        &mut self,
+        first_unread: Option<SqlServerLsn>,
+    ) -> Result<std::result::Result<CleanupRetention, String>> {
+        let retention = match self
+            .client
+            .query(
+                "reading the CDC cleanup job's retention",
+                skein_sql::sqlserver::CLEANUP_RETENTION_SQL,
+                &[],
+            )
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) if e.is_retryable() => return Err(e.into()),
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        let age = match first_unread {
+            Some(lsn) => Some(
+                self.client
+                    .query(
+                        "reading when the oldest unread change committed",
+                        skein_sql::sqlserver::CHANGE_AGE_SQL,
+                        &[&lsn.0.to_vec()],
+                    )
+                    .await?,
+            ),
+            None => None,
+        };
+        Ok(Ok(CleanupRetention::from_rows(&retention, age.as_deref())))
+    }
+
+    /// Warns when the oldest unread change (`first_unread`) is older than
+    /// `retention_warn_fraction` of the cleanup job's retention: the moment
+    /// an operator can still act before cleanup removes it. At start, then
+    /// every 30 s; when msdb cannot be read, says so once and stops asking.
+    async fn check_retention(&mut self, first_unread: Option<SqlServerLsn>) -> Result<()> {
+        if self.msdb_unreadable
+            || self
+                .retention_checked
+                .is_some_and(|t| t.elapsed() < crate::postgres::RETENTION_CHECK_EVERY)
+        {
+            return Ok(());
+        }
+        self.retention_checked = Some(Instant::now());
+        match self.cleanup_retention(first_unread).await? {
+            Ok(r) => {
+                if let Some(used) = r.used().filter(|u| *u >= self.retention_warn_fraction) {
+                    warn!(
+                        first_unread = %first_unread.unwrap_or(SqlServerLsn::ZERO),
+                        "{}",
+                        retention_warning(&r, used)
+                    );
+                }
+            }
+            Err(reason) => {
+                self.msdb_unreadable = true;
+                warn!(
+                    error = %reason,
+                    "cannot read the CDC cleanup job's retention (msdb.dbo.cdc_jobs; the login \
+                     needs read access to msdb): skein will not warn before cleanup removes \
+                     changes it has not read"
+                );
+            }
+        }
+        Ok(())
     }
 
     async fn max_lsn(&mut self) -> Result<SqlServerLsn> {
@@ -1169,6 +1319,8 @@ impl ChangeSource for MssqlSource {
             }
             let now = tokio::time::Instant::now();
             if now >= deadline {
+                // Nothing unread: only msdb's readability to find out.
+                self.check_retention(None).await?;
                 return Ok(ReadBatch::default());
             }
             tokio::time::sleep(self.poll.min(deadline - now)).await;
@@ -1188,39 +1340,10 @@ impl ChangeSource for MssqlSource {
         }
         let from = lower.increment();
         let reads: Vec<InstanceRead> = plan.into_iter().flatten().collect();
-        let ranges: Vec<Option<(SqlServerLsn, SqlServerLsn)>> =
-            reads.iter().map(|r| instance_range(r, max)).collect();
-        // Instances with nothing up to `max` stay out of the window query.
-        type Bounds = Vec<(Vec<u8>, Vec<u8>)>;
-        let (names, bounds): (Vec<String>, Bounds) = self
-            .instances
-            .iter()
-            .zip(&ranges)
-            .filter_map(|(i, r)| r.map(|(f, t)| (i.name.clone(), (f.0.to_vec(), t.0.to_vec()))))
-            .unzip();
-        if names.is_empty() {
-            return Ok(ReadBatch {
-                upper: Some(max.into()),
-                ..ReadBatch::default()
-            });
-        }
-        let cap = i32::try_from(limits.max_changes.max(1)).unwrap_or(i32::MAX - 1);
-        let mut params: Vec<&dyn tiberius::ToSql> = vec![&cap];
-        for (f, t) in &bounds {
-            params.push(f);
-            params.push(t);
-        }
-        let lsns: Vec<SqlServerLsn> = self
-            .client
-            .query(
-                "sizing the batch",
-                &skein_sql::sqlserver::window_sql(&names),
-                &params,
-            )
-            .await?
-            .iter()
-            .map(|r| lsn_of(r.first().unwrap_or(&SqlValue::Null), "window LSN"))
-            .collect::<Result<_>>()?;
+        let lsns = self
+            .first_change_lsns(&reads, max, limits.max_changes.max(1))
+            .await?;
+        self.check_retention(lsns.first().copied()).await?;
         let Some(upper) = next_window(lower, max, &lsns, limits.max_changes) else {
             // Nothing for tracked tables up to `max`: move past it.
             return Ok(ReadBatch {

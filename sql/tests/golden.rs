@@ -399,6 +399,11 @@ fn sqlserver_source_statements_are_frozen() {
             sqlserver::CAPTURED_COLUMNS_SQL,
         ),
         ("the capture job", sqlserver::CAPTURE_JOB_SQL),
+        (
+            "the cleanup job's retention",
+            sqlserver::CLEANUP_RETENTION_SQL,
+        ),
+        ("how long ago a change committed", sqlserver::CHANGE_AGE_SQL),
         ("the agent", sqlserver::AGENT_STATUS_SQL),
         ("capture errors", sqlserver::LOG_SCAN_ERRORS_SQL),
         ("commit times", sqlserver::LSN_TIME_SQL),

@@ -367,8 +367,9 @@ pub struct ExtractorConfig {
     #[serde(default = "default_max_wait")]
     pub max_batch_wait_ms: u64,
     /// The share of what the source keeps for skein (PostgreSQL: the
-    /// slot's WAL up to `max_slot_wal_keep_size`) above which lag is
-    /// warned about, in the log and `skein status`.
+    /// slot's WAL up to `max_slot_wal_keep_size`; SQL Server: the CDC
+    /// cleanup job's retention, against the age of the oldest unread
+    /// change) above which lag is warned about, in the log and `skein status`.
     #[serde(default = "default_retention_warn")]
     pub retention_warn_fraction: f64,
     /// What a TRUNCATE of a tracked table does (PostgreSQL; SQL Server

@@ -155,6 +155,18 @@ WHERE ct.capture_instance = @P1";
 pub const CAPTURE_JOB_SQL: &str =
     "SELECT COUNT(*) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'capture'";
 
+/// The CDC cleanup job's retention in minutes (needs read access to
+/// msdb): the job removes changes committed longer ago than that. No row:
+/// no cleanup job, nothing removes changes.
+pub const CLEANUP_RETENTION_SQL: &str = "SELECT CAST(retention AS bigint) FROM msdb.dbo.cdc_jobs \
+WHERE database_id = DB_ID() AND job_type = N'cleanup'";
+
+/// How many seconds ago the transaction at LSN `@P1` committed, on the
+/// server's local clock on both sides, as the cleanup job compares them
+/// (it removes what committed before `GETDATE()` minus the retention).
+pub const CHANGE_AGE_SQL: &str = "SELECT DATEDIFF_BIG(second, m.tran_end_time, GETDATE()) \
+FROM cdc.lsn_time_mapping m WHERE m.start_lsn = @P1";
+
 /// The SQL Server Agent's state (needs VIEW SERVER STATE).
 pub const AGENT_STATUS_SQL: &str = "SELECT status_desc FROM sys.dm_server_services \
 WHERE servicename LIKE N'SQL Server Agent%'";

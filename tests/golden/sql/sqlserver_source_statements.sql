@@ -16,6 +16,12 @@ SELECT cc.column_name FROM cdc.captured_columns cc JOIN cdc.change_tables ct ON 
 -- the capture job
 SELECT COUNT(*) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'capture';
 
+-- the cleanup job's retention
+SELECT CAST(retention AS bigint) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'cleanup';
+
+-- how long ago a change committed
+SELECT DATEDIFF_BIG(second, m.tran_end_time, GETDATE()) FROM cdc.lsn_time_mapping m WHERE m.start_lsn = @P1;
+
 -- the agent
 SELECT status_desc FROM sys.dm_server_services WHERE servicename LIKE N'SQL Server Agent%';
 
