@@ -918,6 +918,107 @@ async fn mssql_an_unreadable_msdb_is_said_once_and_the_pipeline_goes_on() {
     assert!(env.events().iter().any(|e| e["subject"] == "customer.1"));
 }
 
+/// Runs the pipeline, publishes customer 1, runs `ddl` and a change after
+/// it, and returns the log once `skein run` has exited (it must fail).
+async fn run_into_ddl(name: &str, ddl: &str) -> String {
+    let mut env = MsEnv::new(name, same).await;
+    let mut run = env.start();
+    env.step(
+        &mut run,
+        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
+    )
+    .await;
+    env.exec(ddl).await;
+    env.bump_sentinel().await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(status) = run.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "skein did not stop at `{ddl}`: {}",
+            env.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(!status.success(), "{}", env.log());
+    env.log()
+}
+
+/// `cdc.ddl_history`: a column the config names (`is_deleted_column`)
+/// dropped while skein runs stops it before the batch holding the DDL is
+/// resolved, naming the table, the column, the DDL and the fix.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_a_dropped_named_column_stops_at_its_ddl() {
+    let log = run_into_ddl(
+        "ddl_drop",
+        "DECLARE @c sysname = (SELECT dc.name FROM sys.default_constraints dc \
+           JOIN sys.columns c ON c.object_id = dc.parent_object_id AND c.column_id = dc.parent_column_id \
+           WHERE dc.parent_object_id = OBJECT_ID(N'dbo.customer') AND c.name = N'is_deleted'); \
+         EXEC(N'ALTER TABLE dbo.customer DROP CONSTRAINT ' + QUOTENAME(@c)); \
+         ALTER TABLE dbo.customer DROP COLUMN is_deleted;",
+    )
+    .await;
+    for want in [
+        "the source's schema changed under the running pipeline",
+        "column `is_deleted` of dbo.customer (entity `customer`, is_deleted_column) does not exist",
+        "cdc.ddl_history",
+        "DROP COLUMN is_deleted",
+        "take `is_deleted` out of `is_deleted_column` of entity `customer`",
+    ] {
+        assert!(log.contains(want), "{want}: {log}");
+    }
+}
+
+/// A join column retyped to another text form stops with the T-SQL that
+/// gives it its type back.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_a_retyped_join_column_stops_at_its_ddl() {
+    let log = run_into_ddl(
+        "ddl_retype",
+        "ALTER TABLE dbo.address ALTER COLUMN customer_id nvarchar(20) NULL;",
+    )
+    .await;
+    for want in [
+        "column `customer_id` of dbo.address",
+        "changed type from int to nvarchar(20)",
+        "ALTER TABLE [dbo].[address] ALTER COLUMN [customer_id] int;",
+    ] {
+        assert!(log.contains(want), "{want}: {log}");
+    }
+}
+
+/// A new column is logged and the pipeline goes on.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_a_new_column_is_logged_and_followed() {
+    let mut env = MsEnv::new("ddl_add", same).await;
+    let mut run = env.start();
+    env.step(
+        &mut run,
+        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
+    )
+    .await;
+    env.exec("ALTER TABLE dbo.customer ADD tier nvarchar(20) NULL;")
+        .await;
+    env.step(
+        &mut run,
+        "UPDATE dbo.customer SET email = N'after@x' WHERE id = 1;",
+    )
+    .await;
+    env.stop(run);
+    assert!(
+        env.log().contains("resolution follows it") && env.log().contains("+tier nvarchar(20)"),
+        "{}",
+        env.log()
+    );
+    let last = env.events().last().cloned().unwrap();
+    assert_eq!(last["data"]["email"], "after@x");
+}
+
 /// Runs everywhere (no SQL Server needed): the TDS client fails with the
 /// address in the message when nothing listens, and with an error, not a
 /// hang or a panic, when something else answers (PostgreSQL here).

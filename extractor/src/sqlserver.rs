@@ -18,6 +18,7 @@
 //! ([`retention`]).
 
 pub mod clock;
+pub mod ddl;
 pub mod retention;
 
 use std::collections::HashMap;
@@ -32,6 +33,7 @@ use skein_sql::{Catalog, ColumnInfo, TableInfo};
 use tracing::{debug, info, warn};
 
 use self::clock::{ClockFacts, CommitClock, ServerVersion};
+use self::ddl::{ddl_row, describe_ddl, schema_step, SchemaStep};
 use self::retention::{retention_warning, CleanupRetention};
 use crate::error::{Error, Result};
 use crate::resolve::RowImage;
@@ -389,6 +391,8 @@ pub fn choose_instances(
 /// The SQL Server change source.
 pub struct MssqlSource {
     client: MssqlClient,
+    /// The config, to read the catalog again and check it.
+    cfg: Config,
     catalog: Catalog,
     plans: Vec<EntityPlan>,
     by_table: TableIndex,
@@ -521,6 +525,7 @@ impl MssqlSource {
         Ok(MssqlSource {
             fix: skein_sql::sqlserver::source_ddl(cfg, &catalog),
             client,
+            cfg: cfg.clone(),
             catalog,
             plans,
             by_table,
@@ -980,6 +985,53 @@ impl MssqlSource {
         Ok(())
     }
 
+    /// Looks for DDL committed in `(lower, upper]` on the tables of the
+    /// capture instances read (one query). When there is some, reads the
+    /// catalog again and checks it against the config ([`ddl`]): a change
+    /// the config cannot follow stops here, before the batch is resolved
+    /// (its marker stays, so after the fix it is read again); anything
+    /// else is logged and the resolution plans follow the new catalog.
+    async fn follow_ddl(&mut self, lower: SqlServerLsn, upper: SqlServerLsn) -> Result<()> {
+        if self.instances.is_empty() {
+            return Ok(());
+        }
+        let (from, to) = (lower.0.to_vec(), upper.0.to_vec());
+        let names: Vec<&str> = self.instances.iter().map(|i| i.name.as_str()).collect();
+        let mut params: Vec<&dyn tiberius::ToSql> = vec![&from, &to];
+        params.extend(names.iter().map(|n| n as &dyn tiberius::ToSql));
+        let rows = self
+            .client
+            .query(
+                "reading cdc.ddl_history",
+                &skein_sql::sqlserver::schema::ddl_history_sql(names.len()),
+                &params,
+            )
+            .await?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let ddl = rows
+            .iter()
+            .map(|r| ddl_row(r))
+            .collect::<Result<Vec<_>>>()?;
+        let now = load_catalog(&mut self.client, &self.cfg).await?;
+        match schema_step(&self.cfg, &self.catalog, &now, &ddl) {
+            SchemaStep::Stop { message, fix } => Err(Error::NotReady { message, fix }),
+            SchemaStep::Unchanged => {
+                info!(ddl = %describe_ddl(&ddl), "DDL on a tracked table changes nothing skein reads");
+                Ok(())
+            }
+            SchemaStep::Follow(changes) => {
+                let (plans, by_table) = crate::plans_for(&self.cfg, &now)?;
+                info!(ddl = %describe_ddl(&ddl), changes = ?changes,
+                    "the source's schema changed; resolution follows it");
+                self.fix = skein_sql::sqlserver::source_ddl(&self.cfg, &now);
+                (self.plans, self.by_table, self.catalog) = (plans, by_table, now);
+                Ok(())
+            }
+        }
+    }
+
     async fn max_lsn(&mut self) -> Result<SqlServerLsn> {
         let rows = self
             .client
@@ -1344,7 +1396,11 @@ impl ChangeSource for MssqlSource {
             .first_change_lsns(&reads, max, limits.max_changes.max(1))
             .await?;
         self.check_retention(lsns.first().copied()).await?;
-        let Some(upper) = next_window(lower, max, &lsns, limits.max_changes) else {
+        let window = next_window(lower, max, &lsns, limits.max_changes);
+        // DDL committed in the window is looked at before anything of it
+        // is resolved, even when the window holds no change.
+        self.follow_ddl(lower, window.unwrap_or(max)).await?;
+        let Some(upper) = window else {
             // Nothing for tracked tables up to `max`: move past it.
             return Ok(ReadBatch {
                 upper: Some(max.into()),
@@ -1376,7 +1432,8 @@ impl ChangeSource for MssqlSource {
 mod tests {
     use super::*;
 
-    fn lsn(n: u64) -> SqlServerLsn {
+    /// LSN `n` (shortened LSNs in recorded situations).
+    pub(super) fn lsn(n: u64) -> SqlServerLsn {
         let mut b = [0u8; 10];
         b[2..].copy_from_slice(&n.to_be_bytes());
         SqlServerLsn(b)

@@ -321,6 +321,10 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
         "-- the batch cap\n{};\n\n",
         sqlserver::window_sql(&cis)
     ));
+    out.push_str(&format!(
+        "-- DDL in the batch's window\n{};\n\n",
+        sqlserver::schema::ddl_history_sql(cis.len())
+    ));
     for t in &tracked {
         let cols: Vec<String> = t.columns.iter().cloned().collect();
         out.push_str(&format!(

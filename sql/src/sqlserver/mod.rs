@@ -14,11 +14,14 @@
 //!   with `#changes`), one hydration query per table joins it.
 //!
 //! Besides the statement text: [`sidecar`] (the sidecar's statements),
-//! [`decode`] (TDS cells into skein's value formats, pure) and [`client`]
-//! (the one TDS connection wrapper, with a rolling-back transaction guard).
+//! [`schema`] (`cdc.ddl_history` and the schema-change check's SQL Server
+//! types), [`decode`] (TDS cells into skein's value formats, pure) and
+//! [`client`] (the one TDS connection wrapper, with a rolling-back
+//! transaction guard).
 
 pub mod client;
 pub mod decode;
+pub mod schema;
 pub mod sidecar;
 
 use std::fmt::Write as _;
