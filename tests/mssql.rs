@@ -536,9 +536,8 @@ async fn mssql_column_types_have_the_postgres_formats() {
     assert_eq!(ev["key"], "1,k-ü");
 }
 
-/// Publishes customer 1, stops, changes it, lets CDC cleanup remove the
-/// change, and returns (so the next start finds the marker before `min_lsn`).
-async fn publish_then_lose_a_change(env: &mut MsEnv) {
+/// Runs the pipeline until customer 1 (Ada) is published, then stops it.
+async fn publish_ada(env: &mut MsEnv) {
     let mut run = env.start();
     env.step(
         &mut run,
@@ -546,6 +545,12 @@ async fn publish_then_lose_a_change(env: &mut MsEnv) {
     )
     .await;
     env.stop(run);
+}
+
+/// Publishes customer 1, stops, changes it, lets CDC cleanup remove the
+/// change, and returns (so the next start finds the marker before `min_lsn`).
+async fn publish_then_lose_a_change(env: &mut MsEnv) {
+    publish_ada(env).await;
     env.exec("UPDATE dbo.customer SET name = N'lost' WHERE id = 1;")
         .await;
     env.wait_captured().await;
@@ -612,13 +617,7 @@ async fn mssql_data_loss_continue_records_it_and_goes_on() {
 #[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
 async fn mssql_crash_between_outbox_and_progress_publishes_nothing_twice() {
     let mut env = MsEnv::new("retry_incomplete", same).await;
-    let mut run = env.start();
-    env.step(
-        &mut run,
-        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
-    )
-    .await;
-    env.stop(run);
+    publish_ada(&mut env).await;
     // The next batch dies after its sidecar commit, before the extractor
     // stores its marker: the restart re-reads the window, appliers drop it.
     let mut crashing = env
@@ -703,6 +702,321 @@ async fn mssql_sidecar_on_sql_server_commits_each_event_once() {
         .unwrap();
     assert_eq!(rows[0][0], rows[0][1], "event ids are unique");
     assert_eq!(rows[0][0], SqlValue::Int(2));
+}
+
+/// `source.time_zone`: commit times recorded as local times on either
+/// side of a DST switch each get their own day's offset. The capture job
+/// records the server's clock; the test rewrites the two transactions'
+/// `tran_end_time` (sysadmin may) before skein reads them, to a January
+/// and a July noon in Central Europe (UTC+1, then UTC+2).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_commit_times_keep_their_own_dst_offset() {
+    let mut env = MsEnv::new("dst", |y| {
+        y.replace(
+            "  kind: sqlserver\n",
+            "  kind: sqlserver\n  time_zone: \"W. Europe Standard Time\"\n",
+        )
+    })
+    .await;
+    env.exec("INSERT INTO dbo.customer (id, name) VALUES (1, N'winter');")
+        .await;
+    env.exec("INSERT INTO dbo.customer (id, name) VALUES (2, N'summer');")
+        .await;
+    env.wait_captured().await;
+    env.exec(
+        "UPDATE m SET tran_end_time = CASE c.[id] WHEN 1 THEN '2024-01-15T12:00:00' ELSE '2024-07-15T12:00:00' END \
+         FROM cdc.lsn_time_mapping m JOIN cdc.[dbo_customer_CT] c ON c.[__$start_lsn] = m.start_lsn \
+         WHERE c.[id] IN (1, 2);",
+    )
+    .await;
+    let mut run = env.start();
+    env.settle(&mut run).await;
+    env.stop(run);
+    let time = |subject: &str| {
+        env.events()
+            .iter()
+            .find(|e| e["subject"] == subject)
+            .map(|e| e["time"].clone())
+    };
+    assert_eq!(
+        time("customer.1"),
+        Some("2024-01-15T11:00:00.000000Z".into())
+    );
+    assert_eq!(
+        time("customer.2"),
+        Some("2024-07-15T10:00:00.000000Z".into())
+    );
+    assert!(
+        env.log()
+            .contains("commit times are read in this time zone"),
+        "{}",
+        env.log()
+    );
+}
+
+/// A `source.time_zone` the server does not know stops `skein validate`
+/// and `skein run` with the query that lists the names it knows.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_an_unknown_time_zone_is_refused() {
+    let env = MsEnv::new("bad_time_zone", |y| {
+        y.replace(
+            "  kind: sqlserver\n",
+            "  kind: sqlserver\n  time_zone: \"Mars Standard Time\"\n",
+        )
+    })
+    .await;
+    for args in [&["validate"][..], &["run"][..]] {
+        let out = env.command(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let text = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("`Mars Standard Time` is not a time zone this server knows")
+                && text.contains("sys.time_zone_info"),
+            "{args:?}: {text}"
+        );
+    }
+}
+
+/// The cleanup retention: a change skein has not read, older than 80% of
+/// the cleanup job's retention, shows in `skein status` and warns in the
+/// log at start. The retention is set to 2 minutes and the unread
+/// transactions' recorded commit time to 110 s ago (92% of it).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_an_old_unread_change_warns_before_cleanup_removes_it() {
+    let mut env = MsEnv::new("cleanup_retention", same).await;
+    env.exec("EXEC sys.sp_cdc_change_job @job_type = N'cleanup', @retention = 2;")
+        .await;
+    publish_ada(&mut env).await;
+    let fresh: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    assert_eq!(fresh["source"]["retention_warning"], false, "{fresh}");
+    assert_eq!(fresh["source"]["cleanup_retention_minutes"], 2, "{fresh}");
+    env.exec("UPDATE dbo.customer SET name = N'unread' WHERE id = 1;")
+        .await;
+    env.wait_captured().await;
+    let before = env.max_lsn().await;
+    let hex: String = before.iter().map(|b| format!("{b:02X}")).collect();
+    // Every transaction up to now "committed" 110 s ago; the applied ones
+    // do not count, the unread update does.
+    env.exec(&format!(
+        "UPDATE cdc.lsn_time_mapping SET tran_end_time = DATEADD(second, -110, GETDATE()) \
+         WHERE start_lsn <= 0x{hex};"
+    ))
+    .await;
+    let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    let source = &status["source"];
+    let used = source["retention_used"].as_f64().unwrap();
+    assert!((0.8..1.0).contains(&used), "{source}");
+    assert_eq!(source["retention_warning"], true, "{source}");
+    assert!(source["oldest_unread_lsn"].is_string(), "{source}");
+    assert!(
+        source["unread_age_seconds"].as_i64().unwrap() >= 110,
+        "{source}"
+    );
+    let mut run = env.start();
+    env.settle(&mut run).await;
+    env.stop(run);
+    assert!(
+        env.log()
+            .contains("of the CDC cleanup job's retention (2 minutes)"),
+        "{}",
+        env.log()
+    );
+}
+
+/// A login that may not read msdb: `skein status` says the retention is
+/// unknown and why, `skein run` says so once in its log and publishes.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_an_unreadable_msdb_is_said_once_and_the_pipeline_goes_on() {
+    let mut env = MsEnv::new("msdb_unreadable", same).await;
+    let db = env
+        .url
+        .rsplit("database=")
+        .next()
+        .unwrap()
+        .trim_end_matches(';')
+        .to_string();
+    let mut master = ms(&mssql_url()).await;
+    ms_exec(
+        &mut master,
+        "IF SUSER_ID(N'skein_limited') IS NULL \
+           CREATE LOGIN skein_limited WITH PASSWORD = N'Skein-limited-1', CHECK_POLICY = OFF;",
+    )
+    .await;
+    env.exec(
+        "CREATE USER skein_limited FOR LOGIN skein_limited; \
+         ALTER ROLE db_owner ADD MEMBER skein_limited;",
+    )
+    .await;
+    // The same server and database, another login.
+    let limited = mssql_url()
+        .split(';')
+        .filter(|kv| {
+            let k = kv
+                .split('=')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            !["user", "user id", "uid", "password", "pwd", "database"].contains(&k.as_str())
+        })
+        .collect::<Vec<_>>()
+        .join(";")
+        + &format!(";user=skein_limited;password=Skein-limited-1;database={db}");
+    let out = env
+        .command(&["status"])
+        .env("SKEIN_SOURCE_URL", &limited)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let source = &status["source"];
+    assert!(
+        source["retention_unknown"]
+            .as_str()
+            .is_some_and(|r| r.contains("msdb")),
+        "{source}"
+    );
+    assert_eq!(source["retention_used"], Value::Null, "{source}");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(env.dir.join("skein.log"))
+        .unwrap();
+    let mut run = env
+        .command(&["run"])
+        .env("SKEIN_SOURCE_URL", &limited)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.step(
+        &mut run,
+        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
+    )
+    .await;
+    // Past the 30 s between checks: still said once.
+    tokio::time::sleep(Duration::from_secs(35)).await;
+    env.settle(&mut run).await;
+    env.stop(run);
+    assert_eq!(
+        env.log()
+            .matches("cannot read the CDC cleanup job's retention")
+            .count(),
+        1,
+        "{}",
+        env.log()
+    );
+    assert!(env.events().iter().any(|e| e["subject"] == "customer.1"));
+}
+
+/// Runs the pipeline, publishes customer 1, runs `ddl` and a change after
+/// it, and returns the log once `skein run` has exited (it must fail).
+async fn run_into_ddl(name: &str, ddl: &str) -> String {
+    let mut env = MsEnv::new(name, same).await;
+    let mut run = env.start();
+    env.step(
+        &mut run,
+        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
+    )
+    .await;
+    env.exec(ddl).await;
+    env.bump_sentinel().await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(status) = run.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "skein did not stop at `{ddl}`: {}",
+            env.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(!status.success(), "{}", env.log());
+    env.log()
+}
+
+/// `cdc.ddl_history`: a column the config names (`is_deleted_column`)
+/// dropped while skein runs stops it before the batch holding the DDL is
+/// resolved, naming the table, the column, the DDL and the fix.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_a_dropped_named_column_stops_at_its_ddl() {
+    let log = run_into_ddl(
+        "ddl_drop",
+        "DECLARE @c sysname = (SELECT dc.name FROM sys.default_constraints dc \
+           JOIN sys.columns c ON c.object_id = dc.parent_object_id AND c.column_id = dc.parent_column_id \
+           WHERE dc.parent_object_id = OBJECT_ID(N'dbo.customer') AND c.name = N'is_deleted'); \
+         EXEC(N'ALTER TABLE dbo.customer DROP CONSTRAINT ' + QUOTENAME(@c)); \
+         ALTER TABLE dbo.customer DROP COLUMN is_deleted;",
+    )
+    .await;
+    for want in [
+        "the source's schema changed under the running pipeline",
+        "column `is_deleted` of dbo.customer (entity `customer`, is_deleted_column) does not exist",
+        "cdc.ddl_history",
+        "DROP COLUMN is_deleted",
+        "take `is_deleted` out of `is_deleted_column` of entity `customer`",
+    ] {
+        assert!(log.contains(want), "{want}: {log}");
+    }
+}
+
+/// A join column retyped to another text form stops with the T-SQL that
+/// gives it its type back.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_a_retyped_join_column_stops_at_its_ddl() {
+    let log = run_into_ddl(
+        "ddl_retype",
+        "ALTER TABLE dbo.address ALTER COLUMN customer_id nvarchar(20) NULL;",
+    )
+    .await;
+    for want in [
+        "column `customer_id` of dbo.address",
+        "changed type from int to nvarchar(20)",
+        "ALTER TABLE [dbo].[address] ALTER COLUMN [customer_id] int;",
+    ] {
+        assert!(log.contains(want), "{want}: {log}");
+    }
+}
+
+/// A new column is logged and the pipeline goes on.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_a_new_column_is_logged_and_followed() {
+    let mut env = MsEnv::new("ddl_add", same).await;
+    let mut run = env.start();
+    env.step(
+        &mut run,
+        "INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada');",
+    )
+    .await;
+    env.exec("ALTER TABLE dbo.customer ADD tier nvarchar(20) NULL;")
+        .await;
+    env.step(
+        &mut run,
+        "UPDATE dbo.customer SET email = N'after@x' WHERE id = 1;",
+    )
+    .await;
+    env.stop(run);
+    assert!(
+        env.log().contains("resolution follows it") && env.log().contains("+tier nvarchar(20)"),
+        "{}",
+        env.log()
+    );
+    let last = env.events().last().cloned().unwrap();
+    assert_eq!(last["data"]["email"], "after@x");
 }
 
 /// Runs everywhere (no SQL Server needed): the TDS client fails with the

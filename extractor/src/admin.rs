@@ -30,8 +30,9 @@ pub async fn validate(cfg: &Config) -> Result<Validation> {
         Source::SqlServer(ms) => {
             // Connecting checks tables, columns and types; `check` the CDC set-up.
             let mut source = MssqlSource::connect(cfg, ms).await?;
-            source.check().await?;
+            let notes = source.check().await?;
             Ok(Validation {
+                notes,
                 ok: format!(
                     "CDC is enabled, every tracked table has a readable capture instance with \
                      its key and join columns{}",
@@ -141,10 +142,25 @@ async fn validate_postgres(cfg: &Config, pg: &PostgresSource) -> Result<Validati
     Ok(v)
 }
 
+/// How far the sidecar says the pipeline has applied, for [`status`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Applied {
+    /// Up to this source position, the lowest of the partitions' (`None`:
+    /// nothing applied yet). In-process, every partition gets every batch,
+    /// so this is where the last batch with records ended.
+    Source(Option<SourcePosition>),
+    /// Offsets of a change topic (Kafka): only the extractor knows its
+    /// source position.
+    Offsets,
+}
+
 /// The source's part of `skein status`, as JSON: PostgreSQL, the slot's
-/// confirmed position against the server's WAL end; SQL Server, CDC's max
-/// LSN and each capture instance's min LSN (the validity interval).
-pub async fn status(cfg: &Config) -> Result<serde_json::Value> {
+/// confirmed position against the server's WAL end and how much of the
+/// slot's retention its lag uses; SQL Server, CDC's max LSN, each capture
+/// instance's min LSN (the validity interval), and how much of the CDC
+/// cleanup job's retention the oldest change after `applied` uses (the
+/// PostgreSQL field names where they mean the same).
+pub async fn status(cfg: &Config, applied: Applied) -> Result<serde_json::Value> {
     match &cfg.source {
         Source::Postgres(pg) => {
             let client = postgres::connect(&pg.url, "source").await?;
@@ -180,15 +196,58 @@ pub async fn status(cfg: &Config) -> Result<serde_json::Value> {
         Source::SqlServer(ms) => {
             let mut source = MssqlSource::connect(cfg, ms).await?;
             let (max, mins) = source.validity_interval().await?;
-            Ok(serde_json::json!({
+            let mut out = serde_json::json!({
                 "max_lsn": max.to_string(),
                 "capture_instances": mins
                     .iter()
                     .map(|(ci, min)| serde_json::json!({ "name": ci, "min_lsn": min.to_string() }))
                     .collect::<Vec<_>>(),
-            }))
+            });
+            let fields = match applied {
+                Applied::Source(at) => {
+                    let at = at
+                        .map(SourcePosition::sqlserver)
+                        .transpose()
+                        .map_err(|e| Error::Decode(format!("the sidecar's progress: {e}")))?;
+                    let first = source.first_unread(at).await?;
+                    match source.cleanup_retention(first).await? {
+                        Ok(r) => {
+                            let used = r.used();
+                            serde_json::json!({
+                                "oldest_unread_lsn": first.map(|l| l.to_string()),
+                                "unread_age_seconds": r.unread_age_seconds,
+                                "cleanup_retention_minutes": r.retention_minutes,
+                                "retention_used": used,
+                                "retention_warning": r.warns(cfg.extractor.retention_warn_fraction),
+                            })
+                        }
+                        Err(reason) => retention_unknown(format!(
+                            "cannot read msdb.dbo.cdc_jobs (the login needs read access to \
+                             msdb): {reason}"
+                        )),
+                    }
+                }
+                Applied::Offsets => retention_unknown(
+                    "over Kafka only the extractor knows how far it has read; its log warns \
+                     when the cleanup retention nears"
+                        .into(),
+                ),
+            };
+            if let (Some(o), serde_json::Value::Object(f)) = (out.as_object_mut(), fields) {
+                o.extend(f);
+            }
+            Ok(out)
         }
     }
+}
+
+/// The retention fields of a SQL Server status when they cannot be known.
+fn retention_unknown(reason: String) -> serde_json::Value {
+    serde_json::json!({
+        "retention_used": null,
+        "retention_warning": false,
+        "retention_unknown": reason,
+    })
 }
 
 /// The source's current end: what `marker reset --latest` moves to.

@@ -238,8 +238,9 @@ impl Retention {
     }
 }
 
-/// How often the extractor compares its lag with the slot's retention.
-const RETENTION_CHECK_EVERY: Duration = Duration::from_secs(30);
+/// How often the extractor compares its lag with what the source keeps
+/// (the slot's retention; on SQL Server, the CDC cleanup job's).
+pub(crate) const RETENTION_CHECK_EVERY: Duration = Duration::from_secs(30);
 
 /// The PostgreSQL change source.
 pub struct PgSource {

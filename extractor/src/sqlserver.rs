@@ -13,10 +13,16 @@
 //! `(__$start_lsn, __$seqval)` and resolves them to root keys. Nothing is
 //! held open between batches, and there is nothing to acknowledge to the
 //! server: CDC cleanup follows its own retention, which is why the
-//! validity check runs on every batch.
+//! validity check runs on every batch, and why the age of the oldest
+//! unread change is compared with that retention every 30 s
+//! ([`retention`]).
+
+pub mod clock;
+pub mod ddl;
+pub mod retention;
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use skein_common::config::{Config, SqlServerSource};
 use skein_common::position::SqlServerLsn;
@@ -24,8 +30,11 @@ use skein_common::sqlvalue::SqlValue;
 use skein_common::{ChangeRecord, Op, RootKey, SourcePosition};
 use skein_sql::sqlserver::MssqlClient;
 use skein_sql::{Catalog, ColumnInfo, TableInfo};
-use tracing::warn;
+use tracing::{debug, info, warn};
 
+use self::clock::{ClockFacts, CommitClock, ServerVersion};
+use self::ddl::{ddl_row, describe_ddl, schema_step, SchemaStep};
+use self::retention::{retention_warning, CleanupRetention};
 use crate::error::{Error, Result};
 use crate::resolve::RowImage;
 use crate::resolve::{BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
@@ -382,6 +391,8 @@ pub fn choose_instances(
 /// The SQL Server change source.
 pub struct MssqlSource {
     client: MssqlClient,
+    /// The config, to read the catalog again and check it.
+    cfg: Config,
     catalog: Catalog,
     plans: Vec<EntityPlan>,
     by_table: TableIndex,
@@ -394,6 +405,16 @@ pub struct MssqlSource {
     /// The highest minimum LSN whose loss was accepted (or, after a first
     /// start, the instances' content taken as the start) ([`plan_reads`]).
     accepted_loss: Option<SqlServerLsn>,
+    /// `source.time_zone`.
+    time_zone: Option<String>,
+    /// How commit times become UTC, decided by `prepare`.
+    clock: CommitClock,
+    /// `extractor.retention_warn_fraction`.
+    retention_warn_fraction: f64,
+    /// When the cleanup retention was last checked.
+    retention_checked: Option<Instant>,
+    /// msdb could not be read (said once): no more retention checks.
+    msdb_unreadable: bool,
 }
 
 fn lsn_of(v: &SqlValue, what: &str) -> Result<SqlServerLsn> {
@@ -504,6 +525,7 @@ impl MssqlSource {
         Ok(MssqlSource {
             fix: skein_sql::sqlserver::source_ddl(cfg, &catalog),
             client,
+            cfg: cfg.clone(),
             catalog,
             plans,
             by_table,
@@ -513,6 +535,11 @@ impl MssqlSource {
             poll: Duration::from_millis(source.poll_interval_ms),
             database,
             accepted_loss: None,
+            time_zone: source.time_zone.clone(),
+            clock: CommitClock::CurrentOffset,
+            retention_warn_fraction: cfg.extractor.retention_warn_fraction,
+            retention_checked: None,
+            msdb_unreadable: false,
         })
     }
 
@@ -708,11 +735,72 @@ impl MssqlSource {
     }
 
     /// What `skein validate` checks: CDC on the database, the capture
-    /// instances and their columns, the capture job and the agent, and that
-    /// every capture instance is readable.
-    pub async fn check(&mut self) -> Result<()> {
+    /// instances and their columns, the capture job and the agent, that
+    /// every capture instance is readable, and `source.time_zone`. Returns
+    /// what is worth knowing without a fix (the commit-time warning).
+    pub async fn check(&mut self) -> Result<Vec<String>> {
         self.check_cdc().await?;
-        self.min_lsns().await.map(|_| ())
+        self.min_lsns().await?;
+        let (_, warning) = self.choose_clock().await?;
+        Ok(warning.into_iter().collect())
+    }
+
+    /// Decides how commit times become UTC ([`clock`]): asks the server
+    /// what it has and checks `source.time_zone` against it.
+    async fn choose_clock(&mut self) -> Result<(CommitClock, Option<String>)> {
+        use skein_sql::sqlserver::{
+            CURRENT_TIME_ZONE_SQL, SERVER_VERSION_SQL, TIME_ZONE_KNOWN_SQL,
+        };
+        let rows = self
+            .client
+            .query("reading the server version", SERVER_VERSION_SQL, &[])
+            .await?;
+        let version = ServerVersion::from_row(rows.first().map(Vec::as_slice).unwrap_or_default());
+        let server_zone = if version.has_current_timezone_id() {
+            match self
+                .client
+                .query("reading the server's time zone", CURRENT_TIME_ZONE_SQL, &[])
+                .await
+            {
+                Ok(rows) => rows
+                    .first()
+                    .and_then(|r| r.first())
+                    .and_then(SqlValue::to_text),
+                Err(e) if e.is_retryable() => return Err(e.into()),
+                // A server without the function after all: as if it had none.
+                Err(e) => {
+                    debug!(error = %e, "CURRENT_TIMEZONE_ID() is not available");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let configured_known = match &self.time_zone {
+            Some(tz) if version.has_at_time_zone() => {
+                let rows = self
+                    .client
+                    .query(
+                        "looking source.time_zone up in sys.time_zone_info",
+                        TIME_ZONE_KNOWN_SQL,
+                        &[&tz.as_str()],
+                    )
+                    .await?;
+                Some(
+                    matches!(rows.first().and_then(|r| r.first()), Some(SqlValue::Int(n)) if *n > 0),
+                )
+            }
+            _ => None,
+        };
+        let facts = ClockFacts {
+            version,
+            configured_known,
+            server_zone,
+        };
+        clock::choose_clock(self.time_zone.as_deref(), &facts).map_err(|p| Error::NotReady {
+            message: p.message,
+            fix: p.fix,
+        })
     }
 
     /// For `skein status`: the highest LSN CDC has written and each capture
@@ -758,6 +846,190 @@ impl MssqlSource {
             out.push((name.to_string(), min));
         }
         Ok(out)
+    }
+
+    /// The first `cap + 1` change LSNs, in order, that the instances give
+    /// in their ranges up to `max` (`reads` in instance order): what sizes
+    /// a batch, and the oldest of them is the oldest change not read yet.
+    async fn first_change_lsns(
+        &mut self,
+        reads: &[InstanceRead],
+        max: SqlServerLsn,
+        cap: usize,
+    ) -> Result<Vec<SqlServerLsn>> {
+        // Instances with nothing up to `max` stay out of the window query.
+        type Bounds = Vec<(Vec<u8>, Vec<u8>)>;
+        let (names, bounds): (Vec<String>, Bounds) = self
+            .instances
+            .iter()
+            .zip(reads)
+            .filter_map(|(i, r)| {
+                instance_range(r, max).map(|(f, t)| (i.name.clone(), (f.0.to_vec(), t.0.to_vec())))
+            })
+            .unzip();
+        if names.is_empty() {
+            return Ok(vec![]);
+        }
+        let cap = i32::try_from(cap).unwrap_or(i32::MAX - 1);
+        let mut params: Vec<&dyn tiberius::ToSql> = vec![&cap];
+        for (f, t) in &bounds {
+            params.push(f);
+            params.push(t);
+        }
+        self.client
+            .query(
+                "sizing the batch",
+                &skein_sql::sqlserver::window_sql(&names),
+                &params,
+            )
+            .await?
+            .iter()
+            .map(|r| lsn_of(r.first().unwrap_or(&SqlValue::Null), "window LSN"))
+            .collect()
+    }
+
+    /// For `skein status`: the oldest change of a tracked table after
+    /// `after` (`None`: from the start of what CDC holds), whatever
+    /// cleanup removed meanwhile (the extractor reports losses).
+    pub async fn first_unread(
+        &mut self,
+        after: Option<SqlServerLsn>,
+    ) -> Result<Option<SqlServerLsn>> {
+        let mins = self.min_lsns().await?;
+        let max = self.max_lsn().await?;
+        let after = after.unwrap_or(SqlServerLsn::ZERO);
+        if max <= after {
+            return Ok(None);
+        }
+        let tables = facts_by_table(&self.instances, &mins);
+        let all_held = mins.iter().map(|(_, m)| *m).max();
+        let reads: Vec<InstanceRead> = plan_reads(after, &tables, all_held)
+            .into_iter()
+            .flatten()
+            .collect();
+        Ok(self
+            .first_change_lsns(&reads, max, 0)
+            .await?
+            .first()
+            .copied())
+    }
+
+    /// The CDC cleanup job's retention against the age of `first_unread`,
+    /// the oldest change not read yet (`None`: nothing unread).
+    /// `Ok(Err(reason))` when msdb cannot be read (permissions).
+    pub async fn cleanup_retention(
+        &mut self,
+        first_unread: Option<SqlServerLsn>,
+    ) -> Result<std::result::Result<CleanupRetention, String>> {
+        let retention = match self
+            .client
+            .query(
+                "reading the CDC cleanup job's retention",
+                skein_sql::sqlserver::CLEANUP_RETENTION_SQL,
+                &[],
+            )
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) if e.is_retryable() => return Err(e.into()),
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        let age = match first_unread {
+            Some(lsn) => Some(
+                self.client
+                    .query(
+                        "reading when the oldest unread change committed",
+                        skein_sql::sqlserver::CHANGE_AGE_SQL,
+                        &[&lsn.0.to_vec()],
+                    )
+                    .await?,
+            ),
+            None => None,
+        };
+        Ok(Ok(CleanupRetention::from_rows(&retention, age.as_deref())))
+    }
+
+    /// Warns when the oldest unread change (`first_unread`) is older than
+    /// `retention_warn_fraction` of the cleanup job's retention: the moment
+    /// an operator can still act before cleanup removes it. At start, then
+    /// every 30 s; when msdb cannot be read, says so once and stops asking.
+    async fn check_retention(&mut self, first_unread: Option<SqlServerLsn>) -> Result<()> {
+        if self.msdb_unreadable
+            || self
+                .retention_checked
+                .is_some_and(|t| t.elapsed() < crate::postgres::RETENTION_CHECK_EVERY)
+        {
+            return Ok(());
+        }
+        self.retention_checked = Some(Instant::now());
+        match self.cleanup_retention(first_unread).await? {
+            Ok(r) => {
+                if let Some(used) = r.used().filter(|u| *u >= self.retention_warn_fraction) {
+                    warn!(
+                        first_unread = %first_unread.unwrap_or(SqlServerLsn::ZERO),
+                        "{}",
+                        retention_warning(&r, used)
+                    );
+                }
+            }
+            Err(reason) => {
+                self.msdb_unreadable = true;
+                warn!(
+                    error = %reason,
+                    "cannot read the CDC cleanup job's retention (msdb.dbo.cdc_jobs; the login \
+                     needs read access to msdb): skein will not warn before cleanup removes \
+                     changes it has not read"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Looks for DDL committed in `(lower, upper]` on the tables of the
+    /// capture instances read (one query). When there is some, reads the
+    /// catalog again and checks it against the config ([`ddl`]): a change
+    /// the config cannot follow stops here, before the batch is resolved
+    /// (its marker stays, so after the fix it is read again); anything
+    /// else is logged and the resolution plans follow the new catalog.
+    async fn follow_ddl(&mut self, lower: SqlServerLsn, upper: SqlServerLsn) -> Result<()> {
+        if self.instances.is_empty() {
+            return Ok(());
+        }
+        let (from, to) = (lower.0.to_vec(), upper.0.to_vec());
+        let names: Vec<&str> = self.instances.iter().map(|i| i.name.as_str()).collect();
+        let mut params: Vec<&dyn tiberius::ToSql> = vec![&from, &to];
+        params.extend(names.iter().map(|n| n as &dyn tiberius::ToSql));
+        let rows = self
+            .client
+            .query(
+                "reading cdc.ddl_history",
+                &skein_sql::sqlserver::schema::ddl_history_sql(names.len()),
+                &params,
+            )
+            .await?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let ddl = rows
+            .iter()
+            .map(|r| ddl_row(r))
+            .collect::<Result<Vec<_>>>()?;
+        let now = load_catalog(&mut self.client, &self.cfg).await?;
+        match schema_step(&self.cfg, &self.catalog, &now, &ddl) {
+            SchemaStep::Stop { message, fix } => Err(Error::NotReady { message, fix }),
+            SchemaStep::Unchanged => {
+                info!(ddl = %describe_ddl(&ddl), "DDL on a tracked table changes nothing skein reads");
+                Ok(())
+            }
+            SchemaStep::Follow(changes) => {
+                let (plans, by_table) = crate::plans_for(&self.cfg, &now)?;
+                info!(ddl = %describe_ddl(&ddl), changes = ?changes,
+                    "the source's schema changed; resolution follows it");
+                self.fix = skein_sql::sqlserver::source_ddl(&self.cfg, &now);
+                (self.plans, self.by_table, self.catalog) = (plans, by_table, now);
+                Ok(())
+            }
+        }
     }
 
     async fn max_lsn(&mut self) -> Result<SqlServerLsn> {
@@ -815,13 +1087,15 @@ impl MssqlSource {
         from: SqlServerLsn,
         upper: SqlServerLsn,
     ) -> Result<HashMap<SqlServerLsn, (i64, u64)>> {
+        let (from, upper) = (from.0.to_vec(), upper.0.to_vec());
+        let zone = self.clock.zone().map(str::to_string);
+        let mut params: Vec<&dyn tiberius::ToSql> = vec![&from, &upper];
+        if let Some(z) = &zone {
+            params.push(z);
+        }
         let rows = self
             .client
-            .query(
-                "reading commit times",
-                skein_sql::sqlserver::LSN_TIME_SQL,
-                &[&from.0.to_vec(), &upper.0.to_vec()],
-            )
+            .query("reading commit times", self.clock.sql(), &params)
             .await?;
         let mut out = HashMap::new();
         for r in rows {
@@ -989,6 +1263,15 @@ impl ChangeSource for MssqlSource {
         // capture instance cleaned up past it is reported as data loss.
         let marker = crate::marker_in(marker.or(floor), SourcePosition::sqlserver)?;
         self.check_cdc().await?;
+        let (clock, warning) = self.choose_clock().await?;
+        match (&warning, clock.zone()) {
+            (Some(w), _) => warn!("{w}"),
+            (None, Some(zone)) => {
+                info!(time_zone = zone, "commit times are read in this time zone")
+            }
+            (None, None) => {}
+        }
+        self.clock = clock;
         let mins = self.min_lsns().await?;
         let Some(m) = marker else {
             // First start: everything the capture instances still hold.
@@ -1088,6 +1371,8 @@ impl ChangeSource for MssqlSource {
             }
             let now = tokio::time::Instant::now();
             if now >= deadline {
+                // Nothing unread: only msdb's readability to find out.
+                self.check_retention(None).await?;
                 return Ok(ReadBatch::default());
             }
             tokio::time::sleep(self.poll.min(deadline - now)).await;
@@ -1107,40 +1392,15 @@ impl ChangeSource for MssqlSource {
         }
         let from = lower.increment();
         let reads: Vec<InstanceRead> = plan.into_iter().flatten().collect();
-        let ranges: Vec<Option<(SqlServerLsn, SqlServerLsn)>> =
-            reads.iter().map(|r| instance_range(r, max)).collect();
-        // Instances with nothing up to `max` stay out of the window query.
-        type Bounds = Vec<(Vec<u8>, Vec<u8>)>;
-        let (names, bounds): (Vec<String>, Bounds) = self
-            .instances
-            .iter()
-            .zip(&ranges)
-            .filter_map(|(i, r)| r.map(|(f, t)| (i.name.clone(), (f.0.to_vec(), t.0.to_vec()))))
-            .unzip();
-        if names.is_empty() {
-            return Ok(ReadBatch {
-                upper: Some(max.into()),
-                ..ReadBatch::default()
-            });
-        }
-        let cap = i32::try_from(limits.max_changes.max(1)).unwrap_or(i32::MAX - 1);
-        let mut params: Vec<&dyn tiberius::ToSql> = vec![&cap];
-        for (f, t) in &bounds {
-            params.push(f);
-            params.push(t);
-        }
-        let lsns: Vec<SqlServerLsn> = self
-            .client
-            .query(
-                "sizing the batch",
-                &skein_sql::sqlserver::window_sql(&names),
-                &params,
-            )
-            .await?
-            .iter()
-            .map(|r| lsn_of(r.first().unwrap_or(&SqlValue::Null), "window LSN"))
-            .collect::<Result<_>>()?;
-        let Some(upper) = next_window(lower, max, &lsns, limits.max_changes) else {
+        let lsns = self
+            .first_change_lsns(&reads, max, limits.max_changes.max(1))
+            .await?;
+        self.check_retention(lsns.first().copied()).await?;
+        let window = next_window(lower, max, &lsns, limits.max_changes);
+        // DDL committed in the window is looked at before anything of it
+        // is resolved, even when the window holds no change.
+        self.follow_ddl(lower, window.unwrap_or(max)).await?;
+        let Some(upper) = window else {
             // Nothing for tracked tables up to `max`: move past it.
             return Ok(ReadBatch {
                 upper: Some(max.into()),
@@ -1172,7 +1432,8 @@ impl ChangeSource for MssqlSource {
 mod tests {
     use super::*;
 
-    fn lsn(n: u64) -> SqlServerLsn {
+    /// LSN `n` (shortened LSNs in recorded situations).
+    pub(super) fn lsn(n: u64) -> SqlServerLsn {
         let mut b = [0u8; 10];
         b[2..].copy_from_slice(&n.to_be_bytes());
         SqlServerLsn(b)

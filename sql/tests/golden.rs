@@ -321,6 +321,10 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
         "-- the batch cap\n{};\n\n",
         sqlserver::window_sql(&cis)
     ));
+    out.push_str(&format!(
+        "-- DDL in the batch's window\n{};\n\n",
+        sqlserver::schema::ddl_history_sql(cis.len())
+    ));
     for t in &tracked {
         let cols: Vec<String> = t.columns.iter().cloned().collect();
         out.push_str(&format!(
@@ -399,9 +403,21 @@ fn sqlserver_source_statements_are_frozen() {
             sqlserver::CAPTURED_COLUMNS_SQL,
         ),
         ("the capture job", sqlserver::CAPTURE_JOB_SQL),
+        (
+            "the cleanup job's retention",
+            sqlserver::CLEANUP_RETENTION_SQL,
+        ),
+        ("how long ago a change committed", sqlserver::CHANGE_AGE_SQL),
         ("the agent", sqlserver::AGENT_STATUS_SQL),
         ("capture errors", sqlserver::LOG_SCAN_ERRORS_SQL),
         ("commit times", sqlserver::LSN_TIME_SQL),
+        (
+            "commit times, the time zone unknown",
+            sqlserver::LSN_TIME_CURRENT_OFFSET_SQL,
+        ),
+        ("server version and edition", sqlserver::SERVER_VERSION_SQL),
+        ("the server's time zone", sqlserver::CURRENT_TIME_ZONE_SQL),
+        ("a configured time zone", sqlserver::TIME_ZONE_KNOWN_SQL),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))

@@ -23,7 +23,6 @@ use super::{kafka_client, sidecar};
 /// Prints the status.
 pub async fn status(cfg: Config) -> anyhow::Result<()> {
     let mut out = serde_json::Map::new();
-    out.insert("source".into(), skein_extractor::admin::status(&cfg).await?);
     let mut sidecar = sidecar(&cfg).await?;
     let (topic, ends) = match &cfg.transport {
         Transport::InProcess(_) => (IN_PROCESS_TOPIC.to_string(), None),
@@ -39,8 +38,24 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
     };
     let mut parts = vec![];
     let mut total_lag = 0i64;
+    // The lowest source position applied (in-process): where what the
+    // source must still keep for the pipeline begins.
+    let mut applied: Option<Option<SourcePosition>> = None;
     for p in 0..cfg.transport.partitions() {
         let pr = sidecar.progress(&cfg.name, &topic, p).await?;
+        if ends.is_none() {
+            let at = match &pr {
+                Some(x) => Some(SourcePosition::from_numeric(
+                    cfg.source.dialect(),
+                    x.position,
+                )?),
+                None => None,
+            };
+            applied = Some(match applied {
+                None => at,
+                Some(low) => low.min(at),
+            });
+        }
         let progress: serde_json::Value = match (&pr, &ends) {
             (None, _) => serde_json::Value::Null,
             (Some(x), Some(_)) => x.offset().into(),
@@ -64,6 +79,14 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
         }
         parts.push(v);
     }
+    let applied = match ends {
+        Some(_) => skein_extractor::admin::Applied::Offsets,
+        None => skein_extractor::admin::Applied::Source(applied.flatten()),
+    };
+    out.insert(
+        "source".into(),
+        skein_extractor::admin::status(&cfg, applied).await?,
+    );
     out.insert("topic".into(), topic.into());
     out.insert("partitions".into(), parts.into());
     if ends.is_some() {

@@ -110,6 +110,9 @@ pub struct SqlServerSource {
     pub capture_instances: BTreeMap<String, String>,
     /// How often to ask for a new maximum LSN while idle (at least 1 ms).
     pub poll_interval_ms: u64,
+    /// The server's Windows time zone name (`source.time_zone`), checked
+    /// against `sys.time_zone_info` at start; `None`: ask the server.
+    pub time_zone: Option<String>,
 }
 
 impl Source {
@@ -364,8 +367,9 @@ pub struct ExtractorConfig {
     #[serde(default = "default_max_wait")]
     pub max_batch_wait_ms: u64,
     /// The share of what the source keeps for skein (PostgreSQL: the
-    /// slot's WAL up to `max_slot_wal_keep_size`) above which lag is
-    /// warned about, in the log and `skein status`.
+    /// slot's WAL up to `max_slot_wal_keep_size`; SQL Server: the CDC
+    /// cleanup job's retention, against the age of the oldest unread
+    /// change) above which lag is warned about, in the log and `skein status`.
     #[serde(default = "default_retention_warn")]
     pub retention_warn_fraction: f64,
     /// What a TRUNCATE of a tracked table does (PostgreSQL; SQL Server
@@ -647,6 +651,53 @@ entities:
     }
 
     #[test]
+    fn time_zone_is_a_sql_server_setting_with_a_plausible_name() {
+        let with = |kind: &str, tz: &str| {
+            Config::from_yaml(
+                &SAMPLE.replace(
+                    "source: { kind: postgres, url: \"postgres://u:secret@h/db\" }",
+                    &format!("source: {{ kind: {kind}, url: x, time_zone: {tz} }}"),
+                ),
+                "t.yaml",
+            )
+        };
+        let c = with("sqlserver", "\"W. Europe Standard Time\"").unwrap();
+        assert!(
+            matches!(&c.source, Source::SqlServer(s) if s.time_zone.as_deref() == Some("W. Europe Standard Time"))
+        );
+        let c =
+            Config::from_yaml(&SAMPLE.replace("kind: postgres", "kind: sqlserver"), "t").unwrap();
+        assert!(matches!(&c.source, Source::SqlServer(s) if s.time_zone.is_none()));
+        let e = with("postgres", "UTC").unwrap_err().to_string();
+        assert!(
+            e.contains("source.time_zone")
+                && e.contains("only a SQL Server source")
+                && e.contains(":2:"),
+            "{e}"
+        );
+        let e = with("sqlserver", "Europe/Berlin").unwrap_err().to_string();
+        assert!(
+            e.contains("IANA") && e.contains("W. Europe Standard Time"),
+            "{e}"
+        );
+        for bad in ["\"\"", "\" UTC\"", "\"a\\tb\"", &"x".repeat(129)] {
+            let e = with("sqlserver", bad).unwrap_err().to_string();
+            assert!(e.contains("source.time_zone"), "{bad}: {e}");
+        }
+        // Unknown fields next to it are still refused.
+        let e = Config::from_yaml(
+            &SAMPLE.replace(
+                "source: { kind: postgres, url: \"postgres://u:secret@h/db\" }",
+                "source: { kind: sqlserver, url: x, timezone: UTC }",
+            ),
+            "t.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("timezone"), "{e}");
+    }
+
+    #[test]
     fn bad_join_to_names_field_and_line() {
         let bad = SAMPLE.replace("join_to: addresses", "join_to: nowhere");
         let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
@@ -745,6 +796,7 @@ entities:
             b"transport: ",
             b"source: ",
             b"retention_warn_fraction: ",
+            b"time_zone: ",
         ];
 
         fn parse(text: &str) {

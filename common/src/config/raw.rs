@@ -69,6 +69,13 @@ pub struct SourceConfig {
     /// SQL Server: how often to ask for a new maximum LSN while idle.
     #[serde(default = "default_poll_interval_ms")]
     pub poll_interval_ms: u64,
+    /// SQL Server: the server's Windows time zone (a name in
+    /// `sys.time_zone_info`, e.g. `W. Europe Standard Time`), to turn the
+    /// server-local commit times of `cdc.lsn_time_mapping` into UTC across
+    /// DST switches. Without it: `CURRENT_TIMEZONE_ID()` where the server
+    /// has it, else the server's current UTC offset (with a warning).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
 }
 
 fn default_poll_interval_ms() -> u64 {

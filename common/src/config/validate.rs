@@ -40,6 +40,44 @@ impl RawConfig {
                 "must be at least 1".into(),
             ));
         }
+        if let Some(tz) = &self.source.time_zone {
+            let field = [Key("source"), Key("time_zone")];
+            if self.source.kind != SourceKind::Sqlserver {
+                return Err(err(
+                    &field,
+                    "only a SQL Server source takes a time zone (PostgreSQL's commit times \
+                     are UTC already); remove it"
+                        .into(),
+                ));
+            }
+            if tz.trim().is_empty() || tz.trim() != tz || tz.chars().count() > 128 {
+                return Err(err(
+                    &field,
+                    format!(
+                        "`{tz}` is not a time zone name: give the server's Windows time zone \
+                         as `SELECT name FROM sys.time_zone_info` lists it, e.g. \
+                         `W. Europe Standard Time` (at most 128 characters, no leading or \
+                         trailing spaces)"
+                    ),
+                ));
+            }
+            if tz.chars().any(char::is_control) {
+                return Err(err(
+                    &field,
+                    "a time zone name has no control characters".into(),
+                ));
+            }
+            if tz.contains('/') {
+                return Err(err(
+                    &field,
+                    format!(
+                        "`{tz}` looks like an IANA name; SQL Server names time zones as Windows \
+                         does (`SELECT name FROM sys.time_zone_info`), e.g. `W. Europe Standard \
+                         Time` for Europe/Berlin, `Eastern Standard Time` for America/New_York"
+                    ),
+                ));
+            }
+        }
         if self.transport.partitions == 0 || self.transport.partitions > 1024 {
             return Err(err(
                 &[Key("transport"), Key("partitions")],
@@ -210,6 +248,7 @@ impl RawConfig {
                 url: s.url,
                 capture_instances: s.capture_instances,
                 poll_interval_ms: s.poll_interval_ms,
+                time_zone: s.time_zone,
             }),
         };
         let t = self.transport;

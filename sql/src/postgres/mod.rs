@@ -14,8 +14,8 @@ use std::fmt::Write as _;
 use skein_common::config::{Config, EntityConfig, PostgresSource, TableNode};
 
 pub use self::schema::{
-    check_schema_change, describe_change, named_columns, schema_stop, schema_stop_with,
-    value_format, ValueFormat,
+    check_schema_change, check_schema_change_by, describe_change, named_columns, schema_stop,
+    schema_stop_then, schema_stop_with, value_format, ValueFormat,
 };
 
 use crate::catalog::{Catalog, ColumnInfo, TableInfo};

@@ -102,6 +102,20 @@ const FORMAT_MATTERS: [&str; 4] = ["key", "on.name", "on.to_column", "is_deleted
 /// primary key (of a node without a configured `key`) that changed.
 /// Empty: go on with `new`.
 pub fn check_schema_change(cfg: &Config, old: &Catalog, new: &Catalog) -> Vec<SqlError> {
+    check_schema_change_by(cfg, old, new, |c| value_format(&c.type_name))
+}
+
+/// [`check_schema_change`] with the dialect's own reading of a column's
+/// type: `text_form(column)` is what its values look like as text (keys
+/// and join values travel as text); a column a key, join or logical delete
+/// relies on whose text form differs between `old` and `new` is retyped.
+/// The rest of the check is the same for every dialect.
+pub fn check_schema_change_by<F: PartialEq>(
+    cfg: &Config,
+    old: &Catalog,
+    new: &Catalog,
+    text_form: impl Fn(&ColumnInfo) -> F,
+) -> Vec<SqlError> {
     let mut errors = check_catalog(cfg, new);
     for e in &cfg.entities {
         let nodes = e.nodes();
@@ -129,7 +143,7 @@ pub fn check_schema_change(cfg: &Config, old: &Catalog, new: &Catalog) -> Vec<Sq
                 let (Some(a), Some(b)) = (was.column(c), now.column(c)) else {
                     continue;
                 };
-                if seen.insert(c) && retyped(a, b) {
+                if seen.insert(c) && text_form(a) != text_form(b) {
                     errors.push(SqlError::RetypedColumn {
                         entity: e.name.clone(),
                         schema: n.schema.clone(),
@@ -145,10 +159,6 @@ pub fn check_schema_change(cfg: &Config, old: &Catalog, new: &Catalog) -> Vec<Sq
     }
     errors.dedup();
     errors
-}
-
-fn retyped(a: &ColumnInfo, b: &ColumnInfo) -> bool {
-    value_format(&a.type_name) != value_format(&b.type_name)
 }
 
 impl SqlError {
@@ -202,16 +212,30 @@ pub fn schema_stop(problems: &[SqlError]) -> (String, String) {
 
 /// [`schema_stop`] for problems found otherwise (a table gone before its
 /// catalog could be read): what is wrong, and what to do about each.
-pub fn schema_stop_with(problems: Vec<String>, mut fixes: Vec<String>) -> (String, String) {
+pub fn schema_stop_with(problems: Vec<String>, fixes: Vec<String>) -> (String, String) {
+    schema_stop_then(
+        problems,
+        fixes,
+        "run `skein validate` (and the output of `skein sql source` when a table left the \
+         publication, as a DROP COLUMN ... CASCADE makes it)",
+    )
+}
+
+/// The stop of [`schema_stop_with`] in any dialect: `then` is what to run
+/// after the fixes, before starting skein again.
+pub fn schema_stop_then(
+    problems: Vec<String>,
+    mut fixes: Vec<String>,
+    then: &str,
+) -> (String, String) {
     let message = format!(
         "the source's schema changed under the running pipeline: {}",
         problems.join("; ")
     );
     fixes.dedup();
     let fix = format!(
-        "{};\nthen run `skein validate` (and the output of `skein sql source` when a table left \
-         the publication, as a DROP COLUMN ... CASCADE makes it) and start skein again. The batch \
-         that met the change was not applied: it is read again, nothing is lost.",
+        "{};\nthen {then} and start skein again. The batch that met the change was not \
+         applied: it is read again, nothing is lost.",
         fixes.join(";\n")
     );
     (message, fix)

@@ -14,11 +14,14 @@
 //!   with `#changes`), one hydration query per table joins it.
 //!
 //! Besides the statement text: [`sidecar`] (the sidecar's statements),
-//! [`decode`] (TDS cells into skein's value formats, pure) and [`client`]
-//! (the one TDS connection wrapper, with a rolling-back transaction guard).
+//! [`schema`] (`cdc.ddl_history` and the schema-change check's SQL Server
+//! types), [`decode`] (TDS cells into skein's value formats, pure) and
+//! [`client`] (the one TDS connection wrapper, with a rolling-back
+//! transaction guard).
 
 pub mod client;
 pub mod decode;
+pub mod schema;
 pub mod sidecar;
 
 use std::fmt::Write as _;
@@ -155,6 +158,18 @@ WHERE ct.capture_instance = @P1";
 pub const CAPTURE_JOB_SQL: &str =
     "SELECT COUNT(*) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'capture'";
 
+/// The CDC cleanup job's retention in minutes (needs read access to
+/// msdb): the job removes changes committed longer ago than that. No row:
+/// no cleanup job, nothing removes changes.
+pub const CLEANUP_RETENTION_SQL: &str = "SELECT CAST(retention AS bigint) FROM msdb.dbo.cdc_jobs \
+WHERE database_id = DB_ID() AND job_type = N'cleanup'";
+
+/// How many seconds ago the transaction at LSN `@P1` committed, on the
+/// server's local clock on both sides, as the cleanup job compares them
+/// (it removes what committed before `GETDATE()` minus the retention).
+pub const CHANGE_AGE_SQL: &str = "SELECT DATEDIFF_BIG(second, m.tran_end_time, GETDATE()) \
+FROM cdc.lsn_time_mapping m WHERE m.start_lsn = @P1";
+
 /// The SQL Server Agent's state (needs VIEW SERVER STATE).
 pub const AGENT_STATUS_SQL: &str = "SELECT status_desc FROM sys.dm_server_services \
 WHERE servicename LIKE N'SQL Server Agent%'";
@@ -166,13 +181,39 @@ FROM sys.dm_cdc_log_scan_sessions WHERE error_count > 0 ORDER BY end_time DESC";
 
 /// Commit time (UTC, µs since the Unix epoch) and transaction id of the
 /// transactions that committed in `[@P1, @P2]`. `cdc.lsn_time_mapping`
-/// holds server-local time; it is shifted by the server's current UTC
-/// offset.
+/// holds server-local time (`datetime`); it is read as a time in the
+/// server's Windows time zone `@P3` and converted to UTC with that zone's
+/// rules for the day it names (`AT TIME ZONE`, SQL Server 2016+), so a
+/// change committed before a DST switch keeps its own offset. In the hour
+/// the clocks go back, a local time names two instants; `AT TIME ZONE`
+/// takes the offset before the switch, the earlier one.
 pub const LSN_TIME_SQL: &str = "SELECT m.start_lsn, \
+DATEDIFF_BIG(microsecond, '19700101', CONVERT(datetime2(7), m.tran_end_time AT TIME ZONE @P3 AT TIME ZONE N'UTC')), \
+m.tran_id \
+FROM cdc.lsn_time_mapping m \
+WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2";
+
+/// [`LSN_TIME_SQL`] for a server whose time zone is unknown: shifted by
+/// its *current* UTC offset, so a change committed on the other side of
+/// the last DST switch is off by the shift.
+pub const LSN_TIME_CURRENT_OFFSET_SQL: &str = "SELECT m.start_lsn, \
 DATEDIFF_BIG(microsecond, '19700101', DATEADD(minute, DATEDIFF(minute, SYSDATETIME(), SYSUTCDATETIME()), m.tran_end_time)), \
 m.tran_id \
 FROM cdc.lsn_time_mapping m \
 WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2";
+
+/// The server's major version (13 is SQL Server 2016, 16 is 2022) and
+/// engine edition (5 Azure SQL Database, 8 Azure SQL Managed Instance):
+/// which of `AT TIME ZONE` and `CURRENT_TIMEZONE_ID()` it has.
+pub const SERVER_VERSION_SQL: &str = "SELECT CAST(SERVERPROPERTY('ProductMajorVersion') AS int), \
+CAST(SERVERPROPERTY('EngineEdition') AS int)";
+
+/// The server's Windows time zone (SQL Server 2022+, Azure SQL; older
+/// versions do not know the function and refuse the statement).
+pub const CURRENT_TIME_ZONE_SQL: &str = "SELECT CURRENT_TIMEZONE_ID()";
+
+/// Whether `@P1` is a time zone the server knows (SQL Server 2016+).
+pub const TIME_ZONE_KNOWN_SQL: &str = "SELECT COUNT(*) FROM sys.time_zone_info WHERE name = @P1";
 
 /// The T-SQL that fixes a failed CDC check, for error messages.
 pub fn fix_capture_job() -> &'static str {

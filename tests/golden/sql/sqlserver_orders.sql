@@ -62,6 +62,13 @@ FROM (
 ) u
 ORDER BY u.[lsn];
 
+-- DDL in the batch's window
+SELECT ct.capture_instance, h.ddl_lsn, h.ddl_command
+FROM cdc.ddl_history h
+JOIN cdc.change_tables ct ON ct.object_id = h.object_id
+WHERE h.ddl_lsn > @P1 AND h.ddl_lsn <= @P2 AND ct.capture_instance IN (@P3, @P4, @P5, @P6)
+ORDER BY h.ddl_lsn, ct.capture_instance;
+
 -- changes of sales.order
 SELECT [__$start_lsn], [__$seqval], [__$operation], [order_no], [tenant_id]
 FROM cdc.[fn_cdc_get_all_changes_sales_order](@P1, @P2, N'all update old')

@@ -16,6 +16,12 @@ SELECT cc.column_name FROM cdc.captured_columns cc JOIN cdc.change_tables ct ON 
 -- the capture job
 SELECT COUNT(*) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'capture';
 
+-- the cleanup job's retention
+SELECT CAST(retention AS bigint) FROM msdb.dbo.cdc_jobs WHERE database_id = DB_ID() AND job_type = N'cleanup';
+
+-- how long ago a change committed
+SELECT DATEDIFF_BIG(second, m.tran_end_time, GETDATE()) FROM cdc.lsn_time_mapping m WHERE m.start_lsn = @P1;
+
 -- the agent
 SELECT status_desc FROM sys.dm_server_services WHERE servicename LIKE N'SQL Server Agent%';
 
@@ -23,4 +29,16 @@ SELECT status_desc FROM sys.dm_server_services WHERE servicename LIKE N'SQL Serv
 SELECT TOP (1) error_count, end_time FROM sys.dm_cdc_log_scan_sessions WHERE error_count > 0 ORDER BY end_time DESC;
 
 -- commit times
+SELECT m.start_lsn, DATEDIFF_BIG(microsecond, '19700101', CONVERT(datetime2(7), m.tran_end_time AT TIME ZONE @P3 AT TIME ZONE N'UTC')), m.tran_id FROM cdc.lsn_time_mapping m WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2;
+
+-- commit times, the time zone unknown
 SELECT m.start_lsn, DATEDIFF_BIG(microsecond, '19700101', DATEADD(minute, DATEDIFF(minute, SYSDATETIME(), SYSUTCDATETIME()), m.tran_end_time)), m.tran_id FROM cdc.lsn_time_mapping m WHERE m.start_lsn >= @P1 AND m.start_lsn <= @P2;
+
+-- server version and edition
+SELECT CAST(SERVERPROPERTY('ProductMajorVersion') AS int), CAST(SERVERPROPERTY('EngineEdition') AS int);
+
+-- the server's time zone
+SELECT CURRENT_TIMEZONE_ID();
+
+-- a configured time zone
+SELECT COUNT(*) FROM sys.time_zone_info WHERE name = @P1;
