@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Shared by bench/run (in-process) and bench/kafka: the database, the
-# seeded pgbench workload and the latency query. Needs SKEIN_PG_URL,
-# SKEIN_SOURCE_URL, OUT, PER_TX, AGGREGATES, SEED set by the caller.
+# Shared by bench/run (in-process), bench/kafka and bench/huge-tx: the
+# database, the config, starting and stopping `skein run`, the seeded
+# pgbench workload and the latency query. Needs SKEIN_PG_URL,
+# SKEIN_SOURCE_URL and OUT set by the caller; the pgbench workload also
+# PER_TX, AGGREGATES and SEED, the config and `skein run` SKEIN.
 
 admin() { psql "$SKEIN_PG_URL" -v ON_ERROR_STOP=1 -Atq "$@"; }
 src() { psql "$SKEIN_SOURCE_URL" -v ON_ERROR_STOP=1 -Atq "$@"; }
@@ -11,16 +13,47 @@ changes_so_far() {
   src -c "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables WHERE schemaname = 'public'"
 }
 
-# bench_db DB: a fresh database with the quickstart schema, and the pgbench
-# transaction script ($PER_TX random changes) in $OUT/tx.pgbench.
+# bench_drop_db DB: drops DB and its replication slots, if there.
+bench_drop_db() {
+  admin -c "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '$1'" >/dev/null
+  admin -c "DROP DATABASE IF EXISTS $1 WITH (FORCE)" 2>/dev/null
+}
+
+# bench_db DB: a fresh database with the quickstart schema, and (when
+# PER_TX is set) the pgbench transaction script ($PER_TX random changes)
+# in $OUT/tx.pgbench.
 bench_db() {
   local db=$1
-  admin -c "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '$db'" >/dev/null
-  admin -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" 2>/dev/null
+  bench_drop_db "$db"
   admin -c "CREATE DATABASE $db"
   src -q -f examples/quickstart/schema.sql 2>/dev/null
-  { echo "BEGIN;"; for _ in $(seq 1 "$PER_TX"); do grep -v '^--' bench/workload.pgbench; done; echo "COMMIT;"; } > "$OUT/tx.pgbench"
+  if [ -n "${PER_TX:-}" ]; then
+    { echo "BEGIN;"; for _ in $(seq 1 "$PER_TX"); do grep -v '^--' bench/workload.pgbench; done; echo "COMMIT;"; } > "$OUT/tx.pgbench"
+  fi
 }
+
+# bench_config DB [EXTRACTOR]: the quickstart's embedded config in
+# $OUT/skein.yaml (CFG), slot and publication named DB, nothing on stdout,
+# EXTRACTOR (a YAML mapping) as its extractor section; then applies
+# `skein sql source` and `skein sidecar migrate` to it.
+bench_config() {
+  CFG=$OUT/skein.yaml
+  sed -e "s/skein_quickstart/$1/g" -e 's/also_stdout: true/also_stdout: false/' \
+    examples/quickstart/skein.yaml > "$CFG"
+  if [ -n "${2:-}" ]; then echo "extractor: $2" >> "$CFG"; fi
+  $SKEIN sql source --config "$CFG" | src -f - >/dev/null
+  $SKEIN sidecar migrate --config "$CFG" >/dev/null
+}
+
+# start_skein SLOT: `skein run` on CFG in the background (PID), stderr
+# appended to $OUT/skein.log, until it streams SLOT. stop_skein: SIGTERM,
+# and waits for it to exit.
+start_skein() {
+  $SKEIN run --config "$CFG" > /dev/null 2>> "$OUT/skein.log" &
+  PID=$!
+  skein_wait_streaming "$1" $PID "$OUT/skein.log"
+}
+stop_skein() { kill -TERM $PID; wait $PID; }
 
 # bench_pgbench NAME SEED ARGS...: plays the workload (2 clients) and
 # prints the number of changed rows.
