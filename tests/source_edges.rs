@@ -608,3 +608,81 @@ async fn a_large_transaction_after_a_small_one_loses_no_part() {
     );
     assert_eq!(applied_records(&env).await, LARGE_RECORDS + 1);
 }
+
+/// Over Kafka (review): a re-check under way resumes only from a delivery
+/// that holds its notice. A restart whose first delivery ends before the
+/// notice (a smaller `max_batch_records`, a short poll) holds only records
+/// the progress covers; committing it must keep the cursor, or the notice
+/// is then taken for applied and the aggregates after the cursor are
+/// never re-checked (their deleted events lost).
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_a_short_delivery_before_a_resumed_notice_keeps_the_recheck_cursor() {
+    let env = Env::new_kafka("trunc_short_resume", |y| {
+        y.replace(
+            "state_dir:",
+            "extractor: { max_batch_changes: 5 }\nstate_dir:",
+        )
+    })
+    .await;
+    let mut run = env.start().await;
+    let mut seen = 0;
+    let rows: Vec<String> = (1..=60).map(|i| format!("({i}, 'c{i}')")).collect();
+    env.step(
+        &mut run,
+        &format!(
+            "INSERT INTO customer (id, name) VALUES {};",
+            rows.join(", ")
+        ),
+    )
+    .await;
+    assert_eq!(new_actions(&env, &mut seen).len(), 60);
+    run.stop(&env);
+    let yaml = std::fs::read_to_string(&env.config).unwrap();
+    // Phase 1: the extractor alone puts the updates and the TRUNCATE on the
+    // topic; then an applier that gathers long takes each partition's
+    // records and notice in one delivery, and aborts mid re-check.
+    std::fs::write(
+        &env.config,
+        yaml.replace("  batch_wait_ms: 20\n", "  batch_wait_ms: 3000\n"),
+    )
+    .unwrap();
+    let mut ext = Running { children: vec![] };
+    let ext_id = format!("{}-extract-0", env.name);
+    env.spawn_into(&mut ext, "extract", &[("SKEIN_INSTANCE_ID", &ext_id)]);
+    env.wait_streaming(&mut ext).await;
+    env.exec("BEGIN; UPDATE customer SET email = 'e' WHERE id <= 60; TRUNCATE customer; COMMIT;")
+        .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let app_id = format!("{}-apply-0", env.name);
+    let mut app = Running { children: vec![] };
+    env.spawn_into(
+        &mut app,
+        "apply",
+        &[
+            ("SKEIN_INSTANCE_ID", &app_id),
+            ("SKEIN_FAILPOINT", "applier.after_recheck_page:3"),
+        ],
+    );
+    let status = app.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "the failpoint must abort the applier");
+    ext.stop(&env);
+    let log = env.log();
+    assert!(log.contains("a TRUNCATE: re-checking"), "{log}");
+    // Phase 2: deliveries of 2 records: the first from the stored position
+    // ends before the notice.
+    std::fs::write(
+        &env.config,
+        yaml.replace(
+            "  batch_wait_ms: 20\n",
+            "  batch_wait_ms: 20\n  max_batch_records: 2\n",
+        ),
+    )
+    .unwrap();
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let mut want: Vec<String> = (1..=60).map(|i| format!("customer.{i} deleted")).collect();
+    want.sort();
+    assert_eq!(new_actions(&env, &mut seen), want, "{}", env.log());
+    assert_exactly_once(&env).await;
+}

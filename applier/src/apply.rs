@@ -247,7 +247,18 @@ impl<S: Sidecar> Applier<S> {
                 .numeric()
                 .max(expected.as_ref().map_or(i128::MIN, |p| p.position)),
             source: source_after,
-            recheck_after: None,
+            // A delivery that ends before the notice of a re-check under
+            // way (over Kafka, a shorter delivery from the same position)
+            // keeps the cursor: the next one resumes it.
+            recheck_after: expected
+                .as_ref()
+                .filter(|p| {
+                    p.source == source_after
+                        && !records
+                            .iter()
+                            .any(|r| r.op == Op::Truncate && Some(r.position) == p.source)
+                })
+                .and_then(|p| p.recheck_after.clone()),
             dropped,
             last: true,
         };
