@@ -465,6 +465,29 @@ async fn postgres_sidecar_keeps_the_contract() {
     contract(sc, pg_lsn).await;
 }
 
+/// A sidecar a newer skein migrated is refused with what to do: its rows
+/// may mean more than this version knows (a TRUNCATE re-check cursor).
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_sidecar_of_a_newer_skein_is_refused() {
+    let url = pg_db("skein_t_contract_newer").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    let db = connect(url.expose()).await;
+    db.execute(
+        "INSERT INTO skein.schema_version (version) VALUES (99)",
+        &[],
+    )
+    .await
+    .unwrap();
+    match sc.migrate().await {
+        Err(Error::Schema { message, fix }) => {
+            assert!(message.contains("version 99"), "{message}");
+            assert!(fix.contains("upgrade all"), "{fix}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
 /// SQL Server positions (80 bits) in a PostgreSQL sidecar: the sidecar of a
 /// SQL Server source may run on PostgreSQL.
 #[tokio::test(flavor = "multi_thread")]

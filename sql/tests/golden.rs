@@ -464,6 +464,10 @@ fn sqlserver_sidecar_statements_are_frozen() {
         ),
         ("versions of three keys", sc::versions_sql(s, 3)),
         ("truncate: the keys to re-check", sc::published_keys_sql(s)),
+        (
+            "the newest schema version applied",
+            sc::schema_version_sql(s),
+        ),
         ("pending outbox", sc::pending_sql(s)),
         ("relay, all partitions", sc::relay_select_sql(s, None)),
         (
@@ -524,6 +528,10 @@ fn postgres_sidecar_statements_are_frozen() {
         ("batch transaction 4: versions", sc::versions_upsert_sql(s)),
         ("versions of some keys", sc::versions_sql(s)),
         ("truncate: the keys to re-check", sc::published_keys_sql(s)),
+        (
+            "the newest schema version applied",
+            sc::schema_version_sql(s),
+        ),
         ("pending outbox", sc::pending_sql(s)),
         ("relay, all partitions", sc::relay_select_all_sql(s)),
         (

@@ -157,6 +157,25 @@ pub fn source_position(commit: Option<String>, seq: Option<i64>) -> Result<Optio
     }))
 }
 
+/// Refuses a sidecar that a newer skein migrated: its rows may mean more
+/// than this version knows (a TRUNCATE re-check cursor, say), and acting
+/// on them half-understood can lose events.
+pub fn check_schema_version(found: Option<i32>, schema: &str) -> Result<()> {
+    let ours = skein_sql::postgres::SIDECAR_SCHEMA_VERSION;
+    match found {
+        Some(v) if v > ours => Err(Error::Schema {
+            message: format!(
+                "the sidecar schema `{schema}` is at version {v}, newer than this skein's {ours}: \
+                 a newer skein migrated it"
+            ),
+            fix: "run the same (newest) skein version for every process of this pipeline \
+                  (upgrade all appliers and extractors together)"
+                .into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// A `numeric(25,0)` position read back as text.
 pub fn parse_numeric(s: &str) -> Result<i128> {
     s.parse()

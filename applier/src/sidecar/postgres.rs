@@ -102,7 +102,14 @@ impl Sidecar for PgSidecar {
         self.client
             .batch_execute(&sc::migrate_sql(&self.schema))
             .await
-            .map_err(db("creating the sidecar schema"))
+            .map_err(db("creating the sidecar schema"))?;
+        let found: Option<i32> = self
+            .client
+            .query_one(&sc::schema_version_sql(&self.schema), &[])
+            .await
+            .map_err(db("reading the sidecar schema version"))?
+            .get(0);
+        super::check_schema_version(found, &self.schema)
     }
 
     async fn progress(

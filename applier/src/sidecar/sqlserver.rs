@@ -301,7 +301,20 @@ impl Sidecar for MssqlSidecar {
         if r.is_err() {
             self.client.rollback_quietly().await;
         }
-        Ok(r?)
+        r?;
+        let rows = self
+            .client
+            .query(
+                "reading the sidecar schema version",
+                &sc::schema_version_sql(&self.schema),
+                &[],
+            )
+            .await?;
+        let found = match rows.first().and_then(|r| r.first()) {
+            Some(SqlValue::Int(v)) => i32::try_from(*v).ok(),
+            _ => None,
+        };
+        super::check_schema_version(found, &self.schema)
     }
 
     async fn progress(

@@ -88,6 +88,11 @@ pub fn versions_sql(schema: &str) -> String {
     )
 }
 
+/// The newest schema version applied to the sidecar. Column: version.
+pub fn schema_version_sql(schema: &str) -> String {
+    format!("SELECT max(version) FROM {}.\"schema_version\"", qi(schema))
+}
+
 /// Keys of entity `$1` whose last event was not a delete, after key `$2`
 /// (from the first when NULL), in key order, at most `$3`: a page of what
 /// a TRUNCATE re-checks. Column: key.

@@ -215,6 +215,11 @@ pub fn versions_sql(schema: &str, keys: usize) -> String {
     )
 }
 
+/// The newest schema version applied to the sidecar. Column: version.
+pub fn schema_version_sql(schema: &str) -> String {
+    format!("SELECT MAX([version]) FROM {}.[schema_version]", qi(schema))
+}
+
 /// Keys of entity `@P1` whose last event was not a delete, after key
 /// `@P2` (from the first when NULL), in key order, at most `@P3`: a page
 /// of what a TRUNCATE re-checks (SQL Server itself refuses TRUNCATE on CDC

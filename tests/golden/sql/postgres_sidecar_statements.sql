@@ -47,6 +47,9 @@ SELECT key, etag, is_deleted FROM "skein"."version" WHERE entity = $1 AND key = 
 -- truncate: the keys to re-check
 SELECT key FROM "skein"."version" WHERE entity = $1 AND NOT is_deleted AND ($2::text IS NULL OR key > $2) ORDER BY key LIMIT $3;
 
+-- the newest schema version applied
+SELECT max(version) FROM "skein"."schema_version";
+
 -- pending outbox
 SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 FROM "skein"."outbox" WHERE dequeued_at IS NULL;
 

@@ -43,6 +43,9 @@ SELECT [key], [etag], CAST([is_deleted] AS int) FROM [skein].[version] WHERE [en
 -- truncate: the keys to re-check
 SELECT TOP (@P3) [key] FROM [skein].[version] WHERE [entity] = @P1 AND [is_deleted] = 0 AND (@P2 IS NULL OR [key] > @P2) ORDER BY [key];
 
+-- the newest schema version applied
+SELECT MAX([version]) FROM [skein].[schema_version];
+
 -- pending outbox
 SELECT CAST(COUNT(*) AS bigint), COALESCE(DATEDIFF_BIG(millisecond, MIN([enqueued_at]), SYSUTCDATETIME()), 0) FROM [skein].[outbox] WHERE [dequeued_at] IS NULL;
 
