@@ -267,9 +267,19 @@ impl<S: Sidecar> Applier<S> {
         }
         let mut total = Applied::default();
         let mut before: Vec<ChangeRecord> = vec![];
-        for r in records {
+        let mut records = records.into_iter().peekable();
+        while let Some(r) = records.next() {
             if r.op != Op::Truncate {
                 before.push(r);
+                continue;
+            }
+            // `TRUNCATE customer, address, contact` is a notice per table:
+            // the last of a run of one entity's re-checks them all (state
+            // is read as it is now).
+            if records
+                .peek()
+                .is_some_and(|n| n.op == Op::Truncate && n.entity == r.entity)
+            {
                 continue;
             }
             if !before.is_empty() {
