@@ -366,6 +366,11 @@ impl<S: Sidecar> Applier<S> {
                 }
             }
             after = if done { None } else { keys.last().cloned() };
+            if mine.is_empty() && !done {
+                // Nothing of this partition's: no transaction for it (a
+                // crash reads such pages again, which costs no hydration).
+                continue;
+            }
             let step = self.intermediate(d, Some(notice.position), after.clone());
             total.add(self.commit_step(d, &mine, step).await?);
             if done {

@@ -223,11 +223,13 @@ pub fn schema_version_sql(schema: &str) -> String {
 /// Keys of entity `@P1` whose last event was not a delete, after key
 /// `@P2` (from the first when NULL), in key order, at most `@P3`: a page
 /// of what a TRUNCATE re-checks (SQL Server itself refuses TRUNCATE on CDC
-/// tables; the sidecar may still serve a PostgreSQL source).
+/// tables; the sidecar may still serve a PostgreSQL source). Recompiled
+/// each time: one cached plan for `@P2 IS NULL OR [key] > @P2` would seek
+/// the entity and filter the keys, reading from the first key every page.
 pub fn published_keys_sql(schema: &str) -> String {
     format!(
         "SELECT TOP (@P3) [key] FROM {}.[version] WHERE [entity] = @P1 AND [is_deleted] = 0 \
-         AND (@P2 IS NULL OR [key] > @P2) ORDER BY [key]",
+         AND (@P2 IS NULL OR [key] > @P2) ORDER BY [key] OPTION (RECOMPILE)",
         qi(schema)
     )
 }

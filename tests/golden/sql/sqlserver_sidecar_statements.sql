@@ -41,7 +41,7 @@ MERGE [skein].[version] WITH (HOLDLOCK) AS t USING (VALUES (@P1, @P2, @P3, @P4),
 SELECT [key], [etag], CAST([is_deleted] AS int) FROM [skein].[version] WHERE [entity] = @P1 AND [key] IN (@P2, @P3, @P4);
 
 -- truncate: the keys to re-check
-SELECT TOP (@P3) [key] FROM [skein].[version] WHERE [entity] = @P1 AND [is_deleted] = 0 AND (@P2 IS NULL OR [key] > @P2) ORDER BY [key];
+SELECT TOP (@P3) [key] FROM [skein].[version] WHERE [entity] = @P1 AND [is_deleted] = 0 AND (@P2 IS NULL OR [key] > @P2) ORDER BY [key] OPTION (RECOMPILE);
 
 -- the newest schema version applied
 SELECT MAX([version]) FROM [skein].[schema_version];
