@@ -39,7 +39,7 @@ pub struct Marker {
 pub struct InFlight {
     /// Where its commit record starts (PostgreSQL: the Begin message's
     /// final LSN): what tells the transaction when the stream sends it
-    /// again, before its end is known.
+    /// again, before its end is known. SQL Server: its commit LSN, as `end`.
     pub commit: SourcePosition,
     /// Its position: the end of its commit record.
     pub end: SourcePosition,

@@ -459,7 +459,7 @@ pub fn covers(read: &InstanceRead, lsn: SqlServerLsn) -> bool {
 /// Merges the rows of one more capture instance (`ii`; instances are
 /// merged in instance order, each instance's rows in change order) into
 /// those kept for a part, keeping the first `keep`. The order is the one
-/// [`MssqlSource::read_changes`] gives a transaction's changes:
+/// [`merge_changes`] gives a transaction's changes:
 /// `__$seqval`, then instance, then the instance's own row order.
 pub fn merge_part_rows(kept: &mut Vec<(usize, CdcRow)>, ii: usize, rows: Vec<CdcRow>, keep: usize) {
     kept.extend(rows.into_iter().map(|r| (ii, r)));
