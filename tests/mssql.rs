@@ -34,7 +34,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    admin_url, assert_exactly_once_in, assert_golden, connect, received, recreate_db, root, BIN,
+    acked_parts, admin_url, assert_exactly_once_in, assert_golden, connect, only_event, received,
+    recreate_db, root, BIN,
 };
 use serde_json::Value;
 use skein_common::sqlvalue::SqlValue;
@@ -76,6 +77,17 @@ impl MsEnv {
     /// database on PostgreSQL, and a config with `edit` applied.
     async fn new(name: &str, edit: impl Fn(String) -> String) -> MsEnv {
         MsEnv::with_tables(name, "", edit).await
+    }
+
+    /// [`MsEnv::new`] with batches of at most `max` changes.
+    async fn small_batches(name: &str, max: usize) -> MsEnv {
+        MsEnv::new(name, move |y| {
+            y.replace(
+                "extractor: { max_batch_wait_ms: 200 }",
+                &format!("extractor: {{ max_batch_wait_ms: 200, max_batch_changes: {max} }}"),
+            )
+        })
+        .await
     }
 
     /// [`MsEnv::new`], running `tables` (T-SQL) before `sql source`.
@@ -179,16 +191,22 @@ impl MsEnv {
     }
 
     fn start(&self) -> Child {
+        self.start_with(None)
+    }
+
+    /// `skein run`, its log appended to `skein.log`, with `failpoint`
+    /// (`SKEIN_FAILPOINT`) set when given.
+    fn start_with(&self, failpoint: Option<&str>) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join("skein.log"))
             .unwrap();
-        self.command(&["run"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap()
+        let mut c = self.command(&["run"]);
+        if let Some(f) = failpoint {
+            c.env("SKEIN_FAILPOINT", f);
+        }
+        c.stdout(Stdio::null()).stderr(log).spawn().unwrap()
     }
 
     fn stop(&self, mut child: Child) {
@@ -389,13 +407,7 @@ async fn mssql_update_then_delete_and_create_update_then_delete() {
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
 async fn mssql_create_update_with_upcoming_delete_publishes_only_the_delete() {
-    let mut env = MsEnv::new("upcoming_delete", |y| {
-        y.replace(
-            "extractor: { max_batch_wait_ms: 200 }",
-            "extractor: { max_batch_wait_ms: 200, max_batch_changes: 2 }",
-        )
-    })
-    .await;
+    let mut env = MsEnv::small_batches("upcoming_delete", 2).await;
     env.exec("BEGIN TRAN; INSERT INTO dbo.customer (id, name) VALUES (1, N'Ada'); UPDATE dbo.customer SET name = N'A' WHERE id = 1; COMMIT;")
         .await;
     env.exec("DELETE FROM dbo.customer WHERE id = 1;").await;
@@ -643,6 +655,84 @@ async fn mssql_crash_between_outbox_and_progress_publishes_nothing_twice() {
         .map(|e| e["data"]["name"].clone())
         .collect();
     assert_eq!(names, vec![Value::from("Ada"), Value::from("Ada L.")]);
+    env.assert_exactly_once().await;
+}
+
+/// One transaction of 60 change rows over two tables: 30 customers, an
+/// address for every third, then 10 of the customers renamed (an update
+/// is two rows: before and after).
+fn large_transaction() -> String {
+    let mut sql = String::from("BEGIN TRANSACTION;\n");
+    for i in 1..=30 {
+        sql += &format!("INSERT INTO dbo.customer (id, name) VALUES ({i}, N'c{i}');\n");
+        if i % 3 == 0 {
+            sql += &format!(
+                "INSERT INTO dbo.address (id, customer_id, kind, city) \
+                 VALUES ({i}, {i}, N'home', N'City {i}');\n"
+            );
+        }
+    }
+    sql += "UPDATE dbo.customer SET name = N'u' + CAST(id AS nvarchar(10)) WHERE id <= 10;\n";
+    sql + "COMMIT;"
+}
+
+/// A transaction of 3 x max_batch_changes rows goes in parts of 20 rows;
+/// a crash after the second part's marker resumes after the last
+/// `__$seqval` handed over: no part is sent twice, every aggregate is
+/// published once with its final state.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_a_large_transaction_goes_in_parts_and_resumes_after_a_crash() {
+    let mut env = MsEnv::small_batches("large_tx", 20).await;
+    let mut run = env.start();
+    env.settle(&mut run).await;
+    env.stop(run);
+    let mut crashing = env.start_with(Some("extractor.after_part_marker:2"));
+    env.exec(&large_transaction()).await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while crashing.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the failpoint did not fire: {}",
+            env.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let marker = env.skein_ok(&["marker", "show"]);
+    // 40 inserts in two parts of 20 rows; the updates' 20 rows are the last.
+    assert!(
+        marker.contains("in flight: 40 changes") && marker.contains("__$seqval 0x"),
+        "{marker}"
+    );
+    let mut run = env.start();
+    env.settle(&mut run).await;
+    env.stop(run);
+    let log = env.log();
+    assert!(log.contains("handing it over in parts"), "{log}");
+    assert!(
+        log.contains("what was handed over of it is skipped"),
+        "{log}"
+    );
+    assert_eq!(acked_parts(&log), [20, 40], "parts were sent again:\n{log}");
+    let marker = env.skein_ok(&["marker", "show"]);
+    assert!(!marker.contains("in flight"), "{marker}");
+    let events = env.events();
+    assert_eq!(events.len(), 30, "one event per customer: {events:?}");
+    for i in 1..=30 {
+        let e = only_event(&events, &format!("customer.{i}"));
+        assert_eq!(e["action"], "created", "{e}");
+        let name = if i <= 10 {
+            format!("u{i}")
+        } else {
+            format!("c{i}")
+        };
+        assert_eq!(e["data"]["name"], name.as_str(), "{e}");
+        assert_eq!(
+            e["data"]["addresses"].as_array().map_or(0, Vec::len),
+            usize::from(i % 3 == 0),
+            "{e}"
+        );
+    }
     env.assert_exactly_once().await;
 }
 

@@ -390,12 +390,7 @@ async fn each_customer_once(env: &Env, n: usize) {
     let events = env.events();
     assert_eq!(events.len(), n, "one event per customer");
     for i in 1..=n {
-        let mine: Vec<_> = events
-            .iter()
-            .filter(|e| e["subject"] == format!("customer.{i}"))
-            .collect();
-        assert_eq!(mine.len(), 1, "customer {i}: {mine:?}");
-        let e = mine[0];
+        let e = only_event(&events, &format!("customer.{i}"));
         assert_eq!(e["action"], "created", "{e}");
         let addresses = e["data"]["addresses"].as_array().unwrap();
         assert_eq!(
@@ -408,23 +403,6 @@ async fn each_customer_once(env: &Env, n: usize) {
         }
     }
     assert_exactly_once(env).await;
-}
-
-/// How many changes each acknowledged part had handed over, in log order
-/// (the last part of a transaction logs no such line).
-fn acked_parts(env: &Env) -> Vec<u64> {
-    env.log()
-        .lines()
-        .filter(|l| l.contains("part of a large transaction acknowledged"))
-        .filter_map(|l| {
-            l.split("handed_over=")
-                .nth(1)?
-                .split(' ')
-                .next()?
-                .parse()
-                .ok()
-        })
-        .collect()
 }
 
 /// Records the appliers applied (re-sent ones dropped by position are not
@@ -457,7 +435,7 @@ async fn a_transaction_larger_than_a_batch_is_handed_over_in_parts() {
     );
     // 216 changes, 20 a part: 10 parts before the last.
     assert_eq!(
-        acked_parts(&env),
+        acked_parts(&env.log()),
         (1..=10).map(|i| i * 20).collect::<Vec<u64>>(),
         "{log}"
     );
@@ -502,7 +480,7 @@ async fn a_crash_inside_a_large_transaction_resumes_after_what_was_handed_over()
     );
     // Each part once: 4 before the crash, the rest after it.
     assert_eq!(
-        acked_parts(&env),
+        acked_parts(&env.log()),
         (1..=10).map(|i| i * 20).collect::<Vec<u64>>(),
         "parts were sent again:\n{}",
         env.log()
@@ -533,7 +511,7 @@ async fn a_part_sent_again_after_a_crash_is_dropped_by_position() {
     run.stop(&env);
     // Part 3 (up to change 60) went twice, and was applied once.
     assert_eq!(
-        acked_parts(&env),
+        acked_parts(&env.log()),
         [20, 40, 60, 80, 100, 120, 140, 160, 180, 200],
         "{}",
         env.log()

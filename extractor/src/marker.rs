@@ -5,6 +5,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use skein_common::position::SqlServerLsn;
 use skein_common::SourcePosition;
 
 use crate::error::{Error, Result};
@@ -38,7 +39,7 @@ pub struct Marker {
 pub struct InFlight {
     /// Where its commit record starts (PostgreSQL: the Begin message's
     /// final LSN): what tells the transaction when the stream sends it
-    /// again, before its end is known.
+    /// again, before its end is known. SQL Server: its commit LSN, as `end`.
     pub commit: SourcePosition,
     /// Its position: the end of its commit record.
     pub end: SourcePosition,
@@ -50,6 +51,13 @@ pub struct InFlight {
     /// before it existed (counted again then).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tracked: Option<u32>,
+    /// SQL Server: the `__$seqval` of the last change handed over (shown
+    /// as SQL Server shows it, hex). Every change of the transaction up to
+    /// it is handed over and none after it: a restart reads its rows
+    /// after this `__$seqval` only. `None` on PostgreSQL, which counts
+    /// `changes` instead, and in markers written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seqval: Option<SqlServerLsn>,
 }
 
 impl Marker {
@@ -178,8 +186,13 @@ pub fn describe(m: &Marker) -> String {
     match &m.in_flight {
         None => m.position.to_string(),
         Some(f) => format!(
-            "{} (and {} changes of the transaction ending at {})",
-            m.position, f.changes, f.end
+            "{} (and {} changes of the transaction ending at {}{})",
+            m.position,
+            f.changes,
+            f.end,
+            f.seqval
+                .map(|s| format!(", up to __$seqval {s}"))
+                .unwrap_or_default()
         ),
     }
 }
@@ -228,6 +241,7 @@ mod tests {
                     end: PgLsn(30).into(),
                     changes,
                     tracked: Some(7),
+                    seqval: None,
                 }),
                 ..m(10)
             };
@@ -244,5 +258,40 @@ mod tests {
         assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5).into());
         drop(s);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Markers written before `seqval` existed read as before; a SQL
+    /// Server marker keeps its cursor as SQL Server shows it.
+    #[test]
+    fn in_flight_cursor_is_optional_and_hex() {
+        let old = r#"{"position":"0/A","has_data_loss":false,"updated_at":"1.0",
+            "in_flight":{"commit":"0/14","end":"0/1E","changes":3,"tracked":2}}"#;
+        let m: Marker = serde_json::from_str(old).unwrap();
+        let f = m.in_flight.unwrap();
+        assert_eq!((f.changes, f.tracked, f.seqval), (3, Some(2), None));
+        assert!(!serde_json::to_string(&m).unwrap().contains("seqval"));
+        let lsn = |n: u8| {
+            let mut b = [0u8; 10];
+            b[9] = n;
+            SqlServerLsn(b)
+        };
+        let ms = Marker {
+            position: lsn(1).into(),
+            in_flight: Some(InFlight {
+                commit: lsn(2).into(),
+                end: lsn(2).into(),
+                changes: 40,
+                tracked: Some(40),
+                seqval: Some(lsn(0xAB)),
+            }),
+            ..m
+        };
+        let json = serde_json::to_string(&ms).unwrap();
+        assert!(
+            json.contains(r#""seqval":"0x000000000000000000AB""#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<Marker>(&json).unwrap(), ms);
+        assert!(describe(&ms).ends_with("up to __$seqval 0x000000000000000000AB)"));
     }
 }

@@ -747,6 +747,7 @@ impl PgSource {
             end: d.tx.end_lsn.into(),
             changes: d.tx.before,
             tracked: Some(d.tx.before_tracked),
+            seqval: None,
         });
         if in_flight.is_none() {
             self.draining = None;
@@ -1257,6 +1258,7 @@ mod tests {
                 changes: 3,
                 // Numbered under a config that tracked more than this one.
                 tracked: Some(9),
+                seqval: None,
             }),
             ..Arriving::default()
         };
@@ -1284,6 +1286,7 @@ mod tests {
                 end: PgLsn(120).into(),
                 changes: 3,
                 tracked: None,
+                seqval: None,
             }),
             ..Arriving::default()
         };

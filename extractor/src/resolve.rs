@@ -462,13 +462,15 @@ fn flush_change(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use skein_common::Config;
     use skein_sql::{ColumnInfo, TableInfo};
 
     use super::*;
 
-    fn plan() -> EntityPlan {
+    /// customer ← address ← address_line (a lookup), on `public`; also
+    /// for the sources' tests.
+    pub(crate) fn plan() -> EntityPlan {
         let cfg = Config::from_yaml(
             r#"
 source: { kind: postgres, url: "postgres://x/y" }

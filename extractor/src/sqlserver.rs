@@ -10,7 +10,12 @@
 //! the window `(lower, upper]` at an LSN boundary, reads each capture
 //! instance's changes in it with `N'all update old'` (the before image of
 //! an update carries the old join columns), merges them by
-//! `(__$start_lsn, __$seqval)` and resolves them to root keys. Nothing is
+//! `(__$start_lsn, __$seqval)` and resolves them to root keys. A
+//! transaction (one commit LSN) of more change rows than a batch holds is
+//! the window alone and is handed over in parts: each part pages every
+//! capture instance after the last `__$seqval` handed over ([`cut_part`],
+//! [`PartCursor`]), and the marker of a part that is not the last stores
+//! that `__$seqval`, so a restart reads on from it. Nothing is
 //! held open between batches, and there is nothing to acknowledge to the
 //! server: CDC cleanup follows its own retention, which is why the
 //! validity check runs on every batch, and why the age of the oldest
@@ -37,7 +42,7 @@ use self::ddl::{ddl_row, describe_ddl, schema_step, SchemaStep};
 use self::retention::{retention_warning, CleanupRetention};
 use crate::error::{Error, Result};
 use crate::resolve::RowImage;
-use crate::resolve::{BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
+use crate::resolve::{is_tracked, BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
 use crate::{BatchLimits, ChangeSource, InFlight, ReadBatch, StartPoint};
 
 /// One row of `fn_cdc_get_all_changes_<ci>(…, N'all update old')`.
@@ -91,6 +96,17 @@ pub enum CdcError {
         lsn: String,
         seqval: String,
         missing: &'static str,
+    },
+    /// More rows share one `__$seqval` than a part holds (never seen: an
+    /// update is two).
+    #[error(
+        "more than {rows} change rows share __$seqval {seqval} at LSN {lsn}: raise \
+         extractor.max_batch_changes"
+    )]
+    OversizedChange {
+        lsn: String,
+        seqval: String,
+        rows: usize,
     },
 }
 
@@ -334,6 +350,170 @@ pub fn instance_range(
 }
 
 // ---------------------------------------------------------------------------
+// A transaction larger than one batch, in parts.
+// ---------------------------------------------------------------------------
+
+/// The commit LSN of the window's first transaction when it alone holds
+/// more than `cap` change rows (`first_lsns`: the first `cap + 1` change
+/// LSNs after the marker, [`next_window`]): it is handed over in parts.
+pub fn large_transaction(first_lsns: &[SqlServerLsn], cap: usize) -> Option<SqlServerLsn> {
+    let cap = cap.max(1);
+    let first = *first_lsns.first()?;
+    (first_lsns.get(cap) == Some(&first)).then_some(first)
+}
+
+/// How many change rows a part holds at most: `max_changes`, but never
+/// less than an update's two rows.
+pub fn part_rows(max_changes: usize) -> usize {
+    max_changes.max(2)
+}
+
+/// Where a transaction handed over in parts stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartCursor {
+    /// The marker the parts are read after (every batch's lower bound).
+    pub lower: SqlServerLsn,
+    /// The transaction's commit LSN: every part's records carry it.
+    pub lsn: SqlServerLsn,
+    /// The last `__$seqval` handed over (`None`: nothing yet). Every row
+    /// at or below it, in every capture instance, is handed over.
+    pub after: Option<SqlServerLsn>,
+    /// Changes handed over.
+    pub changes: u64,
+    /// Of those, the tracked ones ([`crate::resolve::is_tracked`]): the
+    /// next part's records number on from here.
+    pub tracked: u32,
+}
+
+impl PartCursor {
+    /// The first part of the transaction at `lsn`.
+    pub fn first(lower: SqlServerLsn, lsn: SqlServerLsn) -> PartCursor {
+        PartCursor {
+            lower,
+            lsn,
+            after: None,
+            changes: 0,
+            tracked: 0,
+        }
+    }
+
+    /// What the marker stores after a part that is not the last.
+    pub fn in_flight(&self) -> InFlight {
+        InFlight {
+            commit: self.lsn.into(),
+            end: self.lsn.into(),
+            changes: self.changes,
+            tracked: Some(self.tracked),
+            seqval: self.after,
+        }
+    }
+
+    /// The cursor a marker's `in_flight` stands for, after the marker at
+    /// `from`. `Err`: a marker this source did not write (why).
+    pub fn resume(from: SourcePosition, f: &InFlight) -> std::result::Result<PartCursor, String> {
+        let (Ok(lsn), Some(after), Some(tracked)) = (f.end.sqlserver(), f.seqval, f.tracked) else {
+            return Err(format!(
+                "the marker holds part of a transaction ending at {}, written by another kind of \
+                 source (it names no SQL Server __$seqval)",
+                f.end
+            ));
+        };
+        let lower = from.sqlserver().map_err(|e| e.to_string())?;
+        if lsn <= lower {
+            return Err(format!(
+                "the marker holds part of a transaction at {lsn}, not after its position {lower}"
+            ));
+        }
+        Ok(PartCursor {
+            lower,
+            lsn,
+            after: Some(after),
+            changes: f.changes,
+            tracked,
+        })
+    }
+
+    /// The cursor after a part of `changes` changes, `tracked` of them
+    /// tracked, the last at `__$seqval` `last`.
+    pub fn after_part(
+        &self,
+        last: Option<SqlServerLsn>,
+        changes: usize,
+        tracked: usize,
+    ) -> PartCursor {
+        PartCursor {
+            after: last.or(self.after),
+            changes: self.changes + changes as u64,
+            tracked: self.tracked + u32::try_from(tracked).unwrap_or(u32::MAX),
+            ..*self
+        }
+    }
+}
+
+/// Whether an instance read as `read` gives changes at `lsn` (two
+/// instances of one table never both do, [`plan_reads`]).
+pub fn covers(read: &InstanceRead, lsn: SqlServerLsn) -> bool {
+    instance_range(read, lsn).is_some_and(|(_, to)| to == lsn)
+}
+
+/// Merges the rows of one more capture instance (`ii`; instances are
+/// merged in instance order, each instance's rows in change order) into
+/// those kept for a part, keeping the first `keep`. The order is the one
+/// [`merge_changes`] gives a transaction's changes:
+/// `__$seqval`, then instance, then the instance's own row order.
+pub fn merge_part_rows(kept: &mut Vec<(usize, CdcRow)>, ii: usize, rows: Vec<CdcRow>, keep: usize) {
+    kept.extend(rows.into_iter().map(|r| (ii, r)));
+    // Stable: equal keys keep the instance's row order.
+    kept.sort_by_key(|(i, r)| (r.seqval, *i));
+    kept.truncate(keep);
+}
+
+/// One part cut from the rows merged for it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Part {
+    /// Its changes, paired, with their instance index, in order.
+    pub changes: Vec<(usize, CdcChange)>,
+    /// Whether it ends the transaction.
+    pub last: bool,
+}
+
+/// Cuts one part of at most `n` rows from the first `n + 1` rows after
+/// the cursor, merged ([`merge_part_rows`]): all of them when there are no
+/// more than `n` (the transaction's last part); else the rows up to the
+/// last `__$seqval` whose rows all fit. The rows of one `__$seqval` — an
+/// update's before and after image — never go to two parts, so the
+/// part's last `__$seqval` is a cursor every instance can be read after.
+pub fn cut_part(mut rows: Vec<(usize, CdcRow)>, n: usize) -> Result<Part, CdcError> {
+    let last = rows.len() <= n;
+    if !last {
+        let cut = rows[n].1.seqval;
+        let keep = rows[..n]
+            .iter()
+            .rposition(|(_, r)| r.seqval != cut)
+            .map_or(0, |i| i + 1);
+        if keep == 0 {
+            return Err(CdcError::OversizedChange {
+                lsn: rows[0].1.start_lsn.to_string(),
+                seqval: cut.to_string(),
+                rows: n,
+            });
+        }
+        rows.truncate(keep);
+    }
+    // Pairs each instance's run of rows (a `__$seqval`'s rows are together).
+    let mut changes = Vec::with_capacity(rows.len());
+    let mut it = rows.into_iter().peekable();
+    while let Some((ii, r)) = it.next() {
+        let mut run = vec![r];
+        while let Some((_, n)) = it.next_if(|(i, _)| *i == ii) {
+            run.push(n);
+        }
+        changes.extend(pair(run)?.into_iter().map(|c| (ii, c)));
+    }
+    Ok(Part { changes, last })
+}
+
+// ---------------------------------------------------------------------------
 // The reader: runs the queries of `skein_sql::sqlserver` over TDS.
 // ---------------------------------------------------------------------------
 
@@ -415,6 +595,9 @@ pub struct MssqlSource {
     retention_checked: Option<Instant>,
     /// msdb could not be read (said once): no more retention checks.
     msdb_unreadable: bool,
+    /// A transaction larger than one batch whose parts are being handed
+    /// over: the next batch after `lower` is its next part.
+    part: Option<PartCursor>,
 }
 
 fn lsn_of(v: &SqlValue, what: &str) -> Result<SqlServerLsn> {
@@ -540,6 +723,7 @@ impl MssqlSource {
             retention_warn_fraction: cfg.extractor.retention_warn_fraction,
             retention_checked: None,
             msdb_unreadable: false,
+            part: None,
         })
     }
 
@@ -1077,9 +1261,101 @@ impl MssqlSource {
             let changes = pair(cdc).map_err(|e| Error::Decode(format!("{}: {e}", inst.name)))?;
             all.extend(changes.into_iter().map(|c| (ii, c)));
         }
-        // Stable: changes of one instance keep their order on equal keys.
-        all.sort_by_key(|a| (a.1.start_lsn, a.1.seqval));
-        Ok(all)
+        Ok(merge_changes(all))
+    }
+
+    /// Reads the next part of the transaction at `p.lsn`: at most `n` rows
+    /// after the cursor, from every instance that covers it (`reads`, in
+    /// instance order), merged as [`MssqlSource::read_changes`] merges them.
+    /// Each instance gives at most `n + 1` rows, and what is kept of them
+    /// is `n + 1` rows: memory holds about two parts' rows, whatever the
+    /// transaction's size.
+    async fn read_part(
+        &mut self,
+        reads: &[InstanceRead],
+        p: &PartCursor,
+        n: usize,
+    ) -> Result<Part> {
+        let top = i32::try_from(n + 1).unwrap_or(i32::MAX);
+        let (lsn, after) = (
+            p.lsn.0.to_vec(),
+            p.after.unwrap_or(SqlServerLsn::ZERO).0.to_vec(),
+        );
+        let mut kept = Vec::new();
+        for (ii, inst) in self.instances.clone().iter().enumerate() {
+            if !covers(&reads[ii], p.lsn) {
+                continue;
+            }
+            let rows = self
+                .client
+                .query(
+                    &format!("reading a part of a large transaction from {}", inst.name),
+                    &skein_sql::sqlserver::part_sql(&inst.name, &inst.columns),
+                    &[&top, &lsn, &after],
+                )
+                .await?
+                .into_iter()
+                .map(|r| cdc_row(&inst.name, r))
+                .collect::<Result<Vec<_>>>()?;
+            merge_part_rows(&mut kept, ii, rows, n + 1);
+        }
+        cut_part(kept, n).map_err(|e| Error::Decode(e.to_string()))
+    }
+
+    /// Hands over the next part of a transaction larger than one batch.
+    /// Every record carries the transaction's commit LSN and numbers on
+    /// from the earlier parts; a part that is not the last says in
+    /// `in_flight` how far it got, and the next batch after `p.lower`
+    /// reads on from there.
+    async fn part_batch(
+        &mut self,
+        p: PartCursor,
+        reads: &[InstanceRead],
+        limits: BatchLimits,
+    ) -> Result<ReadBatch> {
+        let part = self
+            .read_part(reads, &p, part_rows(limits.max_changes))
+            .await?;
+        let txs = transactions(&self.instances, &part.changes);
+        let tracked = txs
+            .iter()
+            .flat_map(|(_, c)| c)
+            .filter(|c| is_tracked(&self.by_table, c))
+            .count();
+        let times = self.commit_times(p.lsn, p.lsn).await?;
+        let records = self.resolve(&txs, &times, p.tracked).await?;
+        let next = p.after_part(
+            part.changes.last().map(|(_, c)| c.seqval),
+            part.changes.len(),
+            tracked,
+        );
+        self.part = (!part.last).then_some(next);
+        Ok(ReadBatch {
+            upper: Some(p.lsn.into()),
+            transactions: usize::from(part.last),
+            changes: part.changes.len(),
+            records,
+            in_flight: (!part.last).then(|| next.in_flight()),
+        })
+    }
+
+    /// Where each instance is read in the batch after `lower`, every
+    /// instance in order; cleanup may have run since the last batch, so a
+    /// loss stops here.
+    async fn plan(&mut self, lower: SqlServerLsn) -> Result<Vec<InstanceRead>> {
+        let mins = self.min_lsns().await?;
+        let tables = facts_by_table(&self.instances, &mins);
+        let plan = plan_reads(lower, &tables, self.accepted_loss);
+        if let Some(loss) = first_loss(lower, &tables, &plan) {
+            return Err(Error::DataLoss {
+                marker: loss.marker.to_string(),
+                available: format!(
+                    "{} (capture instance {}; CDC cleanup removed the rest while skein ran)",
+                    loss.min_lsn, loss.capture_instance
+                ),
+            });
+        }
+        Ok(plan.into_iter().flatten().collect())
     }
 
     async fn commit_times(
@@ -1114,18 +1390,23 @@ impl MssqlSource {
         Ok(out)
     }
 
+    /// Resolves `txs` to records; `before`: how many tracked changes of
+    /// the first transaction earlier parts handed over (0 but for a part).
     async fn resolve(
         &mut self,
         txs: &[(SqlServerLsn, Vec<RawChange>)],
         times: &HashMap<SqlServerLsn, (i64, u64)>,
+        before: u32,
     ) -> Result<Vec<ChangeRecord>> {
         // SQL Server refuses TRUNCATE on a table with CDC enabled: no
         // truncate notices, whatever the partition count.
-        let mut res = BatchResolution::new(
+        let mut res = BatchResolution::new_from(
             &self.plans,
             &self.by_table,
             1,
-            txs.iter().map(|(_, c)| c.as_slice()),
+            txs.iter()
+                .enumerate()
+                .map(|(i, (_, c))| (c.as_slice(), if i == 0 { before } else { 0 })),
         )?;
         for gi in 0..res.lookups().len() {
             let g = res.lookups()[gi].clone();
@@ -1230,6 +1511,15 @@ pub fn raw_change(inst: &Instance, c: &CdcChange) -> RawChange {
         old: image(&c.before),
         new: image(&c.after),
     }
+}
+
+/// Merges the paired changes of every instance (concatenated in instance
+/// order) in commit, then change order: `(__$start_lsn, __$seqval)`, then
+/// instance, then the instance's own order.
+pub fn merge_changes(mut all: Vec<(usize, CdcChange)>) -> Vec<(usize, CdcChange)> {
+    // Stable: changes of one instance keep their order on equal keys.
+    all.sort_by_key(|a| (a.1.start_lsn, a.1.seqval));
+    all
 }
 
 /// Groups merged changes into transactions by commit LSN.
@@ -1338,20 +1628,18 @@ impl ChangeSource for MssqlSource {
         }
     }
 
-    async fn start(&mut self, _from: SourcePosition, in_flight: Option<InFlight>) -> Result<()> {
-        // Batches end at LSN boundaries here: a marker with a transaction
-        // in flight was written by another kind of source.
-        if let Some(f) = in_flight {
-            return Err(Error::NotReady {
-                message: format!(
-                    "the marker holds part of a transaction ending at {}, which only a \
-                     PostgreSQL source writes",
-                    f.end
-                ),
+    async fn start(&mut self, from: SourcePosition, in_flight: Option<InFlight>) -> Result<()> {
+        // A transaction handed over in part: read on after the last
+        // `__$seqval` handed over, none of what was handed over again.
+        self.part = in_flight
+            .map(|f| PartCursor::resume(from, &f))
+            .transpose()
+            .map_err(|message| Error::NotReady {
+                message,
                 fix: "give this source its own state_dir".into(),
-            });
-        }
-        // Nothing is held open between batches: each one is a set of queries.
+            })?;
+        // Nothing else is held open between batches: each one is a set of
+        // queries.
         Ok(())
     }
 
@@ -1363,6 +1651,15 @@ impl ChangeSource for MssqlSource {
         let lower = lower
             .sqlserver()
             .map_err(|e| Error::Decode(e.to_string()))?;
+        if let Some(p) = self.part.filter(|p| p.lower == lower) {
+            // The next part of the transaction in flight: no waiting, no
+            // sizing; the window is still `(lower, p.lsn]`.
+            let reads = self.plan(lower).await?;
+            self.check_retention(Some(p.lsn)).await?;
+            self.follow_ddl(lower, p.lsn).await?;
+            return self.part_batch(p, &reads, limits).await;
+        }
+        self.part = None;
         let deadline = tokio::time::Instant::now() + limits.max_wait.max(self.poll);
         let max = loop {
             let max = self.max_lsn().await?;
@@ -1377,21 +1674,8 @@ impl ChangeSource for MssqlSource {
             }
             tokio::time::sleep(self.poll.min(deadline - now)).await;
         };
-        // Cleanup may have run since the last batch.
-        let mins = self.min_lsns().await?;
-        let tables = facts_by_table(&self.instances, &mins);
-        let plan = plan_reads(lower, &tables, self.accepted_loss);
-        if let Some(loss) = first_loss(lower, &tables, &plan) {
-            return Err(Error::DataLoss {
-                marker: loss.marker.to_string(),
-                available: format!(
-                    "{} (capture instance {}; CDC cleanup removed the rest while skein ran)",
-                    loss.min_lsn, loss.capture_instance
-                ),
-            });
-        }
+        let reads = self.plan(lower).await?;
         let from = lower.increment();
-        let reads: Vec<InstanceRead> = plan.into_iter().flatten().collect();
         let lsns = self
             .first_change_lsns(&reads, max, limits.max_changes.max(1))
             .await?;
@@ -1407,12 +1691,19 @@ impl ChangeSource for MssqlSource {
                 ..ReadBatch::default()
             });
         };
+        if let Some(lsn) = large_transaction(&lsns, limits.max_changes) {
+            info!(lsn = %lsn, max_batch_changes = limits.max_changes,
+                "a transaction of more change rows than a batch holds: handing it over in parts");
+            return self
+                .part_batch(PartCursor::first(lower, lsn), &reads, limits)
+                .await;
+        }
         let ranges: Vec<Option<(SqlServerLsn, SqlServerLsn)>> =
             reads.iter().map(|r| instance_range(r, upper)).collect();
         let changes = self.read_changes(&ranges).await?;
         let txs = transactions(&self.instances, &changes);
         let times = self.commit_times(from, upper).await?;
-        let records = self.resolve(&txs, &times).await?;
+        let records = self.resolve(&txs, &times, 0).await?;
         Ok(ReadBatch {
             upper: Some(upper.into()),
             transactions: txs.len(),
@@ -1767,6 +2058,285 @@ mod tests {
         assert_eq!(upd.new.as_ref().unwrap()["customer_id"], None);
         assert_eq!(txs[1].1[0].op, Op::Delete);
         assert!(txs[1].1[0].new.is_none());
+    }
+
+    /// What `part_sql` returns from one recorded capture instance: its
+    /// first `top` rows at `at` after `__$seqval` `after`, by seqval then
+    /// operation.
+    fn part_query(
+        rows: &[CdcRow],
+        at: SqlServerLsn,
+        after: SqlServerLsn,
+        top: usize,
+    ) -> Vec<CdcRow> {
+        let mut out: Vec<CdcRow> = rows
+            .iter()
+            .filter(|r| r.start_lsn == at && r.seqval > after)
+            .cloned()
+            .collect();
+        out.sort_by_key(|r| (r.seqval, r.operation));
+        out.truncate(top);
+        out
+    }
+
+    /// One part as `read_part` reads it, from recorded instances.
+    fn read_part(instances: &[Vec<CdcRow>], p: &PartCursor, n: usize) -> Part {
+        let mut kept = vec![];
+        for (ii, rows) in instances.iter().enumerate() {
+            let got = part_query(rows, p.lsn, p.after.unwrap_or(SqlServerLsn::ZERO), n + 1);
+            merge_part_rows(&mut kept, ii, got, n + 1);
+        }
+        cut_part(kept, n).unwrap()
+    }
+
+    /// Every part of the transaction at `at` from `from`, with the
+    /// cursor after each; `resume` passes each cursor through the marker
+    /// (JSON, as stored) and back, as a restart would.
+    fn all_parts(
+        instances: &[Vec<CdcRow>],
+        from: PartCursor,
+        n: usize,
+        resume: bool,
+    ) -> Vec<(Part, PartCursor)> {
+        let mut p = from;
+        let mut out = vec![];
+        loop {
+            let part = read_part(instances, &p, n);
+            let next = p.after_part(
+                part.changes.last().map(|(_, c)| c.seqval),
+                part.changes.len(),
+                part.changes.len(),
+            );
+            let last = part.last;
+            out.push((part, next));
+            if last {
+                return out;
+            }
+            p = if resume {
+                let json = serde_json::to_string(&next.in_flight()).unwrap();
+                let f: InFlight = serde_json::from_str(&json).unwrap();
+                PartCursor::resume(lsn(1).into(), &f).unwrap()
+            } else {
+                next
+            };
+            assert!(out.len() < 1000, "no progress");
+        }
+    }
+
+    /// The whole transaction as `read_changes` merges it.
+    fn whole(instances: &[Vec<CdcRow>]) -> Vec<(usize, CdcChange)> {
+        let all = instances
+            .iter()
+            .enumerate()
+            .flat_map(|(ii, rows)| {
+                let mut rows = rows.clone();
+                rows.sort_by_key(|r| (r.start_lsn, r.seqval, r.operation));
+                pair(rows).unwrap().into_iter().map(move |c| (ii, c))
+            })
+            .collect();
+        merge_changes(all)
+    }
+
+    /// A recorded transaction at LSN 5 over two capture instances
+    /// (customer, address): inserts, updates (two rows at one seqval) and
+    /// deletes interleaved by seqval, with a row at LSN 6 that is not
+    /// its. 11 changes, 14 rows.
+    fn recorded() -> Vec<Vec<CdcRow>> {
+        vec![
+            vec![
+                row(5, 1, 2, 1),
+                row(5, 2, 3, 1),
+                row(5, 2, 4, 1),
+                row(5, 5, 2, 2),
+                row(5, 6, 3, 2),
+                row(5, 6, 4, 2),
+                row(5, 9, 1, 1),
+                row(6, 1, 2, 7),
+            ],
+            vec![
+                row(5, 3, 2, 10),
+                row(5, 4, 3, 10),
+                row(5, 4, 4, 10),
+                row(5, 7, 2, 11),
+                row(5, 8, 2, 12),
+                row(5, 10, 1, 10),
+                row(5, 11, 1, 11),
+            ],
+        ]
+    }
+
+    #[test]
+    fn a_transaction_larger_than_the_cap_is_found_by_its_first_lsns() {
+        let l = |v: &[u64]| v.iter().map(|n| lsn(*n)).collect::<Vec<_>>();
+        assert_eq!(large_transaction(&l(&[4, 4, 4, 4]), 3), Some(lsn(4)));
+        // Exactly the cap, or a second transaction inside it: whole.
+        assert_eq!(large_transaction(&l(&[4, 4, 4]), 3), None);
+        assert_eq!(large_transaction(&l(&[4, 4, 4, 5]), 3), None);
+        assert_eq!(large_transaction(&l(&[3, 4, 4, 4]), 3), None);
+        assert_eq!(large_transaction(&[], 3), None);
+        // An update alone is two rows: a cap of 1 pages it, in parts of 2.
+        assert_eq!(large_transaction(&l(&[4, 4]), 1), Some(lsn(4)));
+        assert_eq!(part_rows(1), 2);
+        // The window the reader already computes ends at that LSN.
+        assert_eq!(
+            next_window(lsn(1), lsn(9), &l(&[4, 4, 4, 4]), 3),
+            Some(lsn(4))
+        );
+    }
+
+    #[test]
+    fn parts_page_the_transaction_in_order_and_keep_updates_whole() {
+        let instances = recorded();
+        let want = whole(&instances)
+            .into_iter()
+            .filter(|(_, c)| c.start_lsn == lsn(5))
+            .collect::<Vec<_>>();
+        assert_eq!(want.len(), 11);
+        for n in 2..=15 {
+            for resume in [false, true] {
+                let parts = all_parts(&instances, PartCursor::first(lsn(1), lsn(5)), n, resume);
+                let got: Vec<(usize, CdcChange)> =
+                    parts.iter().flat_map(|(p, _)| p.changes.clone()).collect();
+                assert_eq!(
+                    got, want,
+                    "n = {n}, resume = {resume}: no gap, no repeat, same order"
+                );
+                for (p, _) in &parts {
+                    let rows: usize = p
+                        .changes
+                        .iter()
+                        .map(|(_, c)| if c.op == CdcOp::Update { 2 } else { 1 })
+                        .sum();
+                    assert!(rows <= n && rows > 0, "n = {n}: a part of {rows} rows");
+                }
+                let (last, end) = parts.last().unwrap();
+                assert!(last.last && parts[..parts.len() - 1].iter().all(|(p, _)| !p.last));
+                assert_eq!(end.changes, 11);
+                assert_eq!(end.tracked, 11);
+            }
+        }
+        // 14 rows in parts of 4: an update never straddles two parts, so
+        // parts end early where one would.
+        let parts = all_parts(&instances, PartCursor::first(lsn(1), lsn(5)), 4, false);
+        let sizes: Vec<usize> = parts.iter().map(|(p, _)| p.changes.len()).collect();
+        // seqval 1 (i), 2 (u), 3 (i) | 4 (u), 5 (i) — 6's update would
+        // straddle — | 6 (u), 7, 8 | 9, 10, 11.
+        assert_eq!(sizes, [3, 2, 3, 3]);
+        let cursors: Vec<Option<SqlServerLsn>> = parts.iter().map(|(_, c)| c.after).collect();
+        assert_eq!(
+            cursors,
+            [Some(lsn(3)), Some(lsn(5)), Some(lsn(8)), Some(lsn(11))]
+        );
+    }
+
+    #[test]
+    fn the_rows_of_one_seqval_stay_together_across_instances() {
+        // Two instances with a row at one seqval each (never seen on a real
+        // server, where a log record belongs to one table): the cursor is
+        // the seqval, so a part takes both or neither.
+        let instances = vec![
+            vec![row(5, 1, 2, 1), row(5, 2, 2, 2)],
+            vec![row(5, 2, 2, 10), row(5, 3, 2, 11)],
+        ];
+        let parts = all_parts(&instances, PartCursor::first(lsn(1), lsn(5)), 2, true);
+        let sizes: Vec<usize> = parts.iter().map(|(p, _)| p.changes.len()).collect();
+        assert_eq!(sizes, [1, 2, 1]);
+        assert_eq!(parts[1].0.changes[0].0, 0, "instance order on a tie");
+        // More rows at one seqval than a part holds is an error, not a split.
+        let big = vec![
+            vec![row(5, 1, 2, 1)],
+            vec![row(5, 1, 2, 2)],
+            vec![row(5, 1, 2, 3)],
+        ];
+        let mut kept = vec![];
+        for (ii, rows) in big.into_iter().enumerate() {
+            merge_part_rows(&mut kept, ii, rows, 3);
+        }
+        assert!(matches!(
+            cut_part(kept, 2),
+            Err(CdcError::OversizedChange { rows: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn a_marker_in_flight_resumes_only_what_this_source_wrote() {
+        let p = PartCursor {
+            lower: lsn(1),
+            lsn: lsn(5),
+            after: Some(lsn(8)),
+            changes: 7,
+            tracked: 6,
+        };
+        let f = p.in_flight();
+        assert_eq!((f.commit, f.end), (lsn(5).into(), lsn(5).into()));
+        assert_eq!(PartCursor::resume(lsn(1).into(), &f), Ok(p));
+        // PostgreSQL's: no seqval (and a PostgreSQL position).
+        let pg = InFlight {
+            commit: skein_common::PgLsn(20).into(),
+            end: skein_common::PgLsn(30).into(),
+            changes: 3,
+            tracked: Some(3),
+            seqval: None,
+        };
+        let e = PartCursor::resume(skein_common::PgLsn(10).into(), &pg).unwrap_err();
+        assert!(e.contains("another kind of source"), "{e}");
+        assert!(PartCursor::resume(lsn(1).into(), &InFlight { seqval: None, ..f }).is_err());
+        // Not after the marker's position.
+        assert!(PartCursor::resume(lsn(5).into(), &f).is_err());
+    }
+
+    /// Records of a transaction resolved in parts, each numbered on from
+    /// the tracked changes before it, are the records of the transaction
+    /// resolved whole: same positions, same order.
+    #[test]
+    fn records_of_parts_number_on_as_the_whole_transaction() {
+        let plans = vec![crate::resolve::tests::plan()];
+        let by_table = crate::resolve::table_index(&plans);
+        let inst = |t: &str, cols: [&str; 2]| Instance {
+            schema: "public".into(),
+            table: t.into(),
+            name: format!("dbo_{t}"),
+            columns: cols.iter().map(|c| c.to_string()).collect(),
+            create_lsn: None,
+        };
+        // Rows hold (value, NULL): an address with customer_id NULL joins
+        // no root; give addresses their customer through the first column.
+        let instances = vec![
+            inst("customer", ["id", "name"]),
+            inst("address", ["customer_id", "id"]),
+        ];
+        let meta = [TxMeta {
+            position: lsn(5).into(),
+            tx_id: 9,
+            commit_time_micros: 1,
+        }];
+        let records = |txs: &[(SqlServerLsn, Vec<RawChange>)], before: u32| {
+            BatchResolution::new_from(
+                &plans,
+                &by_table,
+                1,
+                txs.iter().map(|(_, c)| (c.as_slice(), before)),
+            )
+            .unwrap()
+            .finish(&plans, &meta)
+            .unwrap()
+        };
+        let rows = recorded();
+        let want = records(&transactions(&instances, &whole(&rows)[..11]), 0);
+        assert_eq!(want.len(), 11);
+        for n in [2, 3, 4, 7] {
+            let mut got = vec![];
+            for (part, next) in all_parts(&rows, PartCursor::first(lsn(1), lsn(5)), n, true) {
+                let txs = transactions(&instances, &part.changes);
+                let tracked = txs
+                    .iter()
+                    .flat_map(|(_, c)| c)
+                    .filter(|c| is_tracked(&by_table, c))
+                    .count() as u32;
+                got.extend(records(&txs, next.tracked - tracked));
+            }
+            assert_eq!(got, want, "n = {n}");
+        }
     }
 
     #[test]

@@ -333,6 +333,12 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
             t.table,
             sqlserver::changes_sql(&sqlserver::capture_instance(&t.schema, &t.table), &cols)
         ));
+        out.push_str(&format!(
+            "-- a part of a large transaction, from {}.{}\n{};\n\n",
+            t.schema,
+            t.table,
+            sqlserver::part_sql(&sqlserver::capture_instance(&t.schema, &t.table), &cols)
+        ));
     }
     for e in &cfg.entities {
         let nodes = e.nodes();

@@ -18,8 +18,12 @@ pub fn show(cfg: &Config) -> anyhow::Result<()> {
             );
             if let Some(f) = m.in_flight {
                 println!(
-                    "in flight: {} changes of the transaction ending at {} are handed over",
-                    f.changes, f.end
+                    "in flight: {} changes of the transaction ending at {} are handed over{}",
+                    f.changes,
+                    f.end,
+                    f.seqval
+                        .map(|s| format!(" (up to __$seqval {s})"))
+                        .unwrap_or_default()
                 );
             }
         }

@@ -693,6 +693,31 @@ pub fn assert_golden(name: &str, events: &[Value]) {
     assert_eq!(text, want, "events differ from {}", path.display());
 }
 
+/// The one event of `subject` among `events` (fails when there is not
+/// exactly one).
+pub fn only_event<'a>(events: &'a [Value], subject: &str) -> &'a Value {
+    let mine: Vec<&Value> = events.iter().filter(|e| e["subject"] == subject).collect();
+    assert_eq!(mine.len(), 1, "{subject}: {mine:?}");
+    mine[0]
+}
+
+/// How many changes each acknowledged part of a large transaction had
+/// handed over, in the order of `log` (the last part of a transaction
+/// logs no such line).
+pub fn acked_parts(log: &str) -> Vec<u64> {
+    log.lines()
+        .filter(|l| l.contains("part of a large transaction acknowledged"))
+        .filter_map(|l| {
+            l.split("handed_over=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
 /// Exactly-once checks that hold for every run: unique ids in the outbox,
 /// every file event in the outbox, no aggregate published twice in a row
 /// with the same etag (a delete has none, so two deletes in a row count).

@@ -236,6 +236,24 @@ pub fn changes_sql(capture_instance: &str, columns: &[String]) -> String {
     )
 }
 
+/// One part of a transaction too large for one batch, from one capture
+/// instance: the first `@P1` change rows at commit LSN `@P2` whose
+/// `__$seqval` is above `@P3` (the cursor: the last `__$seqval` handed
+/// over, or 0 for the first part), in change order. The extractor merges
+/// the instances' rows by `__$seqval` and takes a part's worth, never
+/// splitting the rows of one `__$seqval` (an update's before and after).
+pub fn part_sql(capture_instance: &str, columns: &[String]) -> String {
+    let cols: Vec<String> = columns.iter().map(|c| qi(c)).collect();
+    format!(
+        "SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], {cols}\n\
+         FROM cdc.{f}(@P2, @P2, N'all update old')\n\
+         WHERE [__$seqval] > @P3\n\
+         ORDER BY [__$seqval], [__$operation]",
+        cols = cols.join(", "),
+        f = qi(&format!("fn_cdc_get_all_changes_{capture_instance}")),
+    )
+}
+
 /// The first `@P1` + 1 change LSNs across the given capture instances, in
 /// order: enough for [`cap_window`] to close the batch at an LSN boundary.
 /// Instance `i` is read in `[@P(2i+2), @P(2i+3)]`: from the marker's
@@ -267,8 +285,9 @@ pub fn window_sql(capture_instances: &[String]) -> String {
 
 /// Where a batch ends, given the first `cap + 1` change LSNs (sorted) of
 /// the window up to `max`: all of it when it fits; else the last LSN whose
-/// changes all fit; a single transaction larger than the cap is taken
-/// whole (never half an LSN). `None` when there is nothing.
+/// changes all fit; a single transaction larger than the cap is the
+/// window alone (never half an LSN; the extractor reads it in parts,
+/// [`part_sql`]). `None` when there is nothing.
 pub fn cap_window<L: Ord + Copy>(lsns: &[L], cap: usize, max: L) -> Option<L> {
     lsns.first()?;
     let cap = cap.max(1);
@@ -276,7 +295,7 @@ pub fn cap_window<L: Ord + Copy>(lsns: &[L], cap: usize, max: L) -> Option<L> {
         return Some(max);
     }
     // The first change that does not fit; its transaction is left out,
-    // unless it is the only one (then it is taken whole).
+    // unless it is the only one (then it is the window alone).
     let cut = lsns[cap];
     Some(
         lsns[..cap]
@@ -621,7 +640,7 @@ mod tests {
         // Cap 3 over [1, 2, 2, 3]: LSN 2 has a change past the cap, so stop at 1.
         assert_eq!(cap_window(&[1, 2, 2, 3], 2, 9), Some(1));
         assert_eq!(cap_window(&[1, 2, 2, 3], 3, 9), Some(2));
-        // One transaction larger than the cap is taken whole.
+        // One transaction larger than the cap is the window alone (read in parts).
         assert_eq!(cap_window(&[4, 4, 4, 4], 3, 9), Some(4));
     }
 

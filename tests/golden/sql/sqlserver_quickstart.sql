@@ -74,20 +74,44 @@ SELECT [__$start_lsn], [__$seqval], [__$operation], [id]
 FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P1, @P2, N'all update old')
 ORDER BY [__$start_lsn], [__$seqval], [__$operation];
 
+-- a part of a large transaction, from dbo.customer
+SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [id]
+FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P2, @P2, N'all update old')
+WHERE [__$seqval] > @P3
+ORDER BY [__$seqval], [__$operation];
+
 -- changes of dbo.address
 SELECT [__$start_lsn], [__$seqval], [__$operation], [customer_id], [id]
 FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P1, @P2, N'all update old')
 ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- a part of a large transaction, from dbo.address
+SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [customer_id], [id]
+FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P2, @P2, N'all update old')
+WHERE [__$seqval] > @P3
+ORDER BY [__$seqval], [__$operation];
 
 -- changes of dbo.address_line
 SELECT [__$start_lsn], [__$seqval], [__$operation], [address_id], [line_no]
 FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P1, @P2, N'all update old')
 ORDER BY [__$start_lsn], [__$seqval], [__$operation];
 
+-- a part of a large transaction, from dbo.address_line
+SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [address_id], [line_no]
+FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P2, @P2, N'all update old')
+WHERE [__$seqval] > @P3
+ORDER BY [__$seqval], [__$operation];
+
 -- changes of dbo.contact
 SELECT [__$start_lsn], [__$seqval], [__$operation], [customer_id], [kind]
 FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P1, @P2, N'all update old')
 ORDER BY [__$start_lsn], [__$seqval], [__$operation];
+
+-- a part of a large transaction, from dbo.contact
+SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [customer_id], [kind]
+FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P2, @P2, N'all update old')
+WHERE [__$seqval] > @P3
+ORDER BY [__$seqval], [__$operation];
 
 -- root lookup of lines (dbo.address_line)
 IF OBJECT_ID(N'tempdb..#skein_lookup') IS NOT NULL DROP TABLE #skein_lookup;
