@@ -2,6 +2,15 @@
 # Shell helpers around a running `skein run` (quickstart, benchmark).
 # usage: source scripts/lib/pipeline.sh; needs `src` (psql on the source DB).
 
+# skein_target_dir: where cargo puts what it builds, as cargo reports it
+# (CARGO_TARGET_DIR, a target-dir in .cargo/config, or ./target), absolute.
+skein_target_dir() {
+  local dir
+  dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+  [ -n "$dir" ] || { echo "cargo metadata named no target directory" >&2; return 1; }
+  echo "$dir"
+}
+
 # skein_wait_streaming SLOT PID LOG: waits until a walsender streams SLOT
 # (not merely an active slot: it is also active while being created).
 skein_wait_streaming() {
