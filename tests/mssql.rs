@@ -1107,6 +1107,14 @@ async fn mssql_a_new_column_is_logged_and_followed() {
     );
     let last = env.events().last().cloned().unwrap();
     assert_eq!(last["data"]["email"], "after@x");
+    // The appliers read the catalog in every batch: the new column is in
+    // the event without a restart (null until set).
+    assert!(
+        last["data"].as_object().unwrap().contains_key("tier"),
+        "{last}\n{}",
+        env.log()
+    );
+    assert!(env.log().contains("hydration follows it"), "{}", env.log());
 }
 
 /// Runs everywhere (no SQL Server needed): the TDS client fails with the

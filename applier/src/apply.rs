@@ -7,7 +7,7 @@ use std::time::Instant;
 use skein_common::config::Config;
 use skein_common::failpoint::failpoint;
 use skein_common::record::{partition_for, transport_key, Op};
-use skein_common::{ChangeRecord, Checkpoint, CheckpointKind, RootKey};
+use skein_common::{ChangeRecord, Checkpoint, CheckpointKind, Dialect, RootKey};
 use skein_sql::postgres::{check_schema_change, describe_change, schema_stop};
 use skein_sql::Catalog;
 use skein_transporter::Delivery;
@@ -142,15 +142,25 @@ impl<S: Sidecar> Applier<S> {
     /// messages: an applier over Kafka never sees those, and only the
     /// snapshot's own catalog is the one its queries run against.
     async fn follow_schema(&mut self) -> Result<()> {
-        let Some(now) = self.source.catalog().await? else {
+        let Some(now) = self.source.catalog(&self.cfg.tables()).await? else {
             return Ok(());
         };
         if now == self.catalog {
             return Ok(());
         }
-        let problems = check_schema_change(&self.cfg, &self.catalog, &now);
-        if !problems.is_empty() {
-            let (message, fix) = schema_stop(&problems);
+        // Each dialect's own type rules and fixes.
+        let stop = match self.source.dialect() {
+            Dialect::Postgres => {
+                let problems = check_schema_change(&self.cfg, &self.catalog, &now);
+                (!problems.is_empty()).then(|| schema_stop(&problems))
+            }
+            Dialect::SqlServer => {
+                use skein_sql::sqlserver::schema as ms;
+                let problems = ms::check_schema_change(&self.cfg, &self.catalog, &now);
+                (!problems.is_empty()).then(|| ms::schema_stop(&problems))
+            }
+        };
+        if let Some((message, fix)) = stop {
             return Err(Error::Schema { message, fix });
         }
         info!(

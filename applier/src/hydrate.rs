@@ -204,13 +204,19 @@ impl Source {
     /// (PostgreSQL; the locks of [`Source::begin_snapshot`] keep it so until
     /// the snapshot ends). `None`: this dialect does not follow schema
     /// changes while running yet (SQL Server), the start-up catalog stays.
-    pub async fn catalog(&self) -> Result<Option<Catalog>> {
+    ///
+    /// SQL Server reads it with the batch's hydration (no snapshot spans
+    /// them there; a DDL between the two shows as a query error, and the
+    /// next batch's read follows it).
+    pub async fn catalog(&mut self, tables: &[(String, String)]) -> Result<Option<Catalog>> {
         match self {
             Source::Postgres { client, tables, .. } => read_catalog(client, tables)
                 .await
                 .map(Some)
                 .map_err(db("reading the catalog in the hydration snapshot")),
-            Source::SqlServer(_) => Ok(None),
+            Source::SqlServer(client) => Ok(Some(
+                skein_sql::sqlserver::read_catalog(client, tables).await?,
+            )),
         }
     }
 

@@ -34,7 +34,7 @@ use skein_common::position::SqlServerLsn;
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{ChangeRecord, Op, RootKey, SourcePosition};
 use skein_sql::sqlserver::MssqlClient;
-use skein_sql::{Catalog, ColumnInfo, TableInfo};
+use skein_sql::Catalog;
 use tracing::{debug, info, warn};
 
 use self::clock::{ClockFacts, CommitClock, ServerVersion};
@@ -624,43 +624,7 @@ fn int_of(v: &SqlValue, what: &str) -> Result<i64> {
 /// Reads the catalog of every table the entities name; a missing table is
 /// left out (the catalog check names it).
 pub async fn load_catalog(client: &mut MssqlClient, cfg: &Config) -> Result<Catalog> {
-    let mut cat = Catalog::default();
-    for (schema, table) in cfg.tables() {
-        let rows = client
-            .query(
-                &format!("reading the columns of {schema}.{table}"),
-                skein_sql::sqlserver::CATALOG_SQL,
-                &[&schema.as_str(), &table.as_str()],
-            )
-            .await?;
-        if rows.is_empty() {
-            continue;
-        }
-        let mut pk: Vec<(i64, String)> = vec![];
-        let mut columns = vec![];
-        for r in rows {
-            let text = |i: usize| r.get(i).and_then(SqlValue::to_text).unwrap_or_default();
-            let name = text(0);
-            if let Some(SqlValue::Int(k)) = r.get(4) {
-                pk.push((*k, name.clone()));
-            }
-            columns.push(ColumnInfo {
-                name,
-                type_name: text(1),
-                data_type: text(2),
-                nullable: matches!(r.get(3), Some(SqlValue::Bit(true))),
-            });
-        }
-        pk.sort();
-        cat.insert(TableInfo {
-            schema,
-            table,
-            columns,
-            primary_key: pk.into_iter().map(|(_, c)| c).collect(),
-            replica_identity: 'd',
-        });
-    }
-    Ok(cat)
+    Ok(skein_sql::sqlserver::read_catalog(client, &cfg.tables()).await?)
 }
 
 /// Event columns of types the reader does not decode.

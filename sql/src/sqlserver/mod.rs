@@ -27,6 +27,7 @@ pub mod sidecar;
 use std::fmt::Write as _;
 
 use skein_common::config::{Config, TableNode};
+use skein_common::sqlvalue::SqlValue;
 
 use crate::catalog::{Catalog, ColumnInfo};
 use crate::postgres::{
@@ -118,6 +119,52 @@ JOIN sys.tables tb ON tb.object_id = ct.source_object_id \
 JOIN sys.schemas sc ON sc.schema_id = tb.schema_id \
 WHERE sc.name = @P1 AND tb.name = @P2 \
 ORDER BY ct.create_date, ct.capture_instance";
+
+/// Reads the catalog of `tables` (`(schema, table)`) with [`CATALOG_SQL`],
+/// one query per table; a table that is not there is left out. The
+/// extractor reads it at start and after DDL, the appliers in every batch.
+pub async fn read_catalog(
+    client: &mut MssqlClient,
+    tables: &[(String, String)],
+) -> Result<Catalog, MssqlError> {
+    let mut cat = Catalog::default();
+    for (schema, table) in tables {
+        let rows = client
+            .query(
+                &format!("reading the columns of {schema}.{table}"),
+                CATALOG_SQL,
+                &[&schema.as_str(), &table.as_str()],
+            )
+            .await?;
+        if rows.is_empty() {
+            continue;
+        }
+        let mut pk: Vec<(i64, String)> = vec![];
+        let mut columns = vec![];
+        for r in rows {
+            let text = |i: usize| r.get(i).and_then(SqlValue::to_text).unwrap_or_default();
+            let name = text(0);
+            if let Some(SqlValue::Int(k)) = r.get(4) {
+                pk.push((*k, name.clone()));
+            }
+            columns.push(ColumnInfo {
+                name,
+                type_name: text(1),
+                data_type: text(2),
+                nullable: matches!(r.get(3), Some(SqlValue::Bit(true))),
+            });
+        }
+        pk.sort();
+        cat.insert(crate::catalog::TableInfo {
+            schema: schema.clone(),
+            table: table.clone(),
+            columns,
+            primary_key: pk.into_iter().map(|(_, c)| c).collect(),
+            replica_identity: 'd',
+        });
+    }
+    Ok(cat)
+}
 
 /// The columns of one table (`@P1` schema, `@P2` table) in table order:
 /// `column, type_name, data_type, is_nullable, pk_ordinal`. `data_type` is

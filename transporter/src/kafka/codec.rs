@@ -548,12 +548,15 @@ mod tests {
             ]
         }
 
-        fn record(position: BoxedStrategy<SourcePosition>) -> impl Strategy<Value = ChangeRecord> {
+        fn record(
+            position: BoxedStrategy<SourcePosition>,
+            ops: Vec<Op>,
+        ) -> impl Strategy<Value = ChangeRecord> {
             (
                 "[a-z_]{0,8}",
                 prop::collection::vec(prop::option::of("[ -~ü]{0,6}"), 0..4),
                 "[a-z_.]{0,10}",
-                prop::sample::select(vec![Op::Insert, Op::Update, Op::Delete]),
+                prop::sample::select(ops),
                 position,
                 0..=i64::MAX as u64,
                 any::<u64>(),
@@ -574,15 +577,17 @@ mod tests {
                 )
         }
 
-        /// Envelopes whose positions come from `position`.
+        /// Envelopes whose positions come from `position`, of records of
+        /// `ops`.
         fn envelope_of(
             position: impl Fn() -> BoxedStrategy<SourcePosition>,
+            ops: Vec<Op>,
         ) -> impl Strategy<Value = Envelope> {
             (
                 position(),
                 position(),
                 any::<bool>(),
-                prop::option::of(record(position())),
+                prop::option::of(record(position(), ops)),
             )
                 .prop_map(|(lower, upper, has_data_loss, record)| Envelope {
                     lower,
@@ -592,8 +597,12 @@ mod tests {
                 })
         }
 
+        /// Every op: a truncate notice is written in format 3, the rest in 2.
         fn envelope() -> impl Strategy<Value = Envelope> {
-            envelope_of(|| position().boxed())
+            envelope_of(
+                || position().boxed(),
+                vec![Op::Insert, Op::Update, Op::Delete, Op::Truncate],
+            )
         }
 
         /// What the previous release wrote: [`FORMAT_V1`], LSNs as longs.
@@ -622,11 +631,15 @@ mod tests {
         fn pg_envelope() -> impl Strategy<Value = Envelope> {
             // v1 stored LSNs as `long`s (`PgLsn::as_i64`): PostgreSQL's
             // never reach 2^63.
-            envelope_of(|| {
-                (0..=i64::MAX as u64)
-                    .prop_map(|n| SourcePosition::Pg(PgLsn(n)))
-                    .boxed()
-            })
+            // v1 knew no truncate notice.
+            envelope_of(
+                || {
+                    (0..=i64::MAX as u64)
+                        .prop_map(|n| SourcePosition::Pg(PgLsn(n)))
+                        .boxed()
+                },
+                vec![Op::Insert, Op::Update, Op::Delete],
+            )
         }
 
         fn valid() -> impl Strategy<Value = Vec<u8>> {
