@@ -18,7 +18,7 @@ use tracing::{info, warn};
 use crate::error::{src, Error, Result};
 use crate::pgoutput::{self, Message, Relation};
 pub use crate::resolve::RawChange;
-use crate::resolve::{is_tracked, BatchResolution, EntityPlan, TableIndex, TxMeta};
+use crate::resolve::{count_tracked, BatchResolution, EntityPlan, TableIndex, TxMeta};
 use crate::spill::{self, SpillReader, SpillWriter, Spilled};
 use crate::{BatchLimits, ChangeSource, InFlight, ReadBatch, StartPoint};
 
@@ -68,7 +68,7 @@ pub struct Tx {
     /// Changes of the transaction before `changes[0]` that are not here:
     /// handed over in earlier parts, or before a restart.
     pub before: u64,
-    /// How many of those are tracked ([`is_tracked`]): this part's records
+    /// How many of those are tracked ([`crate::resolve::is_tracked`]): this part's records
     /// number on from theirs.
     pub before_tracked: u32,
 }
@@ -112,13 +112,9 @@ impl Arriving {
                 .unwrap_or(usize::MAX)
                 .min(tx.changes.len());
             if skip > 0 {
-                let tracked = tx.changes[..skip]
-                    .iter()
-                    .filter(|c| is_tracked(by_table, c))
-                    .count();
                 tx.before_tracked = tx
                     .before_tracked
-                    .saturating_add(u32::try_from(tracked).unwrap_or(u32::MAX));
+                    .saturating_add(count_tracked(by_table, &tx.changes[..skip]));
                 tx.before += skip as u64;
                 if let (true, Some(t)) = (tx.before == r.changes, r.tracked) {
                     // As numbered when they were handed over, whatever the
@@ -733,15 +729,10 @@ impl PgSource {
             }
             tx.changes.push(c.change);
         }
-        let tracked = tx
-            .changes
-            .iter()
-            .filter(|c| is_tracked(&self.by_table, c))
-            .count();
         d.tx.before += tx.changes.len() as u64;
-        d.tx.before_tracked = tx
-            .before_tracked
-            .saturating_add(u32::try_from(tracked).unwrap_or(u32::MAX));
+        d.tx.before_tracked =
+            d.tx.before_tracked
+                .saturating_add(count_tracked(&self.by_table, &tx.changes));
         let in_flight = (d.reader.remaining() > 0).then(|| InFlight {
             commit: d.tx.commit_lsn.into(),
             end: d.tx.end_lsn.into(),

@@ -193,6 +193,19 @@ pub fn is_tracked(by_table: &TableIndex, change: &RawChange) -> bool {
     by_table.contains_key(&change.table)
 }
 
+/// How many of `changes` are tracked ([`is_tracked`]), as the count a
+/// part of a large transaction numbers on from (saturating).
+pub fn count_tracked<'a>(
+    by_table: &TableIndex,
+    changes: impl IntoIterator<Item = &'a RawChange>,
+) -> u32 {
+    let n = changes
+        .into_iter()
+        .filter(|c| is_tracked(by_table, c))
+        .count();
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 /// Builds the [`TableIndex`] of a set of plans.
 pub fn table_index(plans: &[EntityPlan]) -> TableIndex {
     let mut by_table: TableIndex = HashMap::new();

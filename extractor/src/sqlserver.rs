@@ -42,7 +42,7 @@ use self::ddl::{ddl_row, describe_ddl, schema_step, SchemaStep};
 use self::retention::{retention_warning, CleanupRetention};
 use crate::error::{Error, Result};
 use crate::resolve::RowImage;
-use crate::resolve::{is_tracked, BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
+use crate::resolve::{count_tracked, BatchResolution, EntityPlan, RawChange, TableIndex, TxMeta};
 use crate::{BatchLimits, ChangeSource, InFlight, ReadBatch, StartPoint};
 
 /// One row of `fn_cdc_get_all_changes_<ci>(…, N'all update old')`.
@@ -439,12 +439,12 @@ impl PartCursor {
         &self,
         last: Option<SqlServerLsn>,
         changes: usize,
-        tracked: usize,
+        tracked: u32,
     ) -> PartCursor {
         PartCursor {
             after: last.or(self.after),
             changes: self.changes + changes as u64,
-            tracked: self.tracked + u32::try_from(tracked).unwrap_or(u32::MAX),
+            tracked: self.tracked.saturating_add(tracked),
             ..*self
         }
     }
@@ -1281,11 +1281,7 @@ impl MssqlSource {
             .read_part(reads, &p, part_rows(limits.max_changes))
             .await?;
         let txs = transactions(&self.instances, &part.changes);
-        let tracked = txs
-            .iter()
-            .flat_map(|(_, c)| c)
-            .filter(|c| is_tracked(&self.by_table, c))
-            .count();
+        let tracked = count_tracked(&self.by_table, txs.iter().flat_map(|(_, c)| c));
         let times = self.commit_times(p.lsn, p.lsn).await?;
         let records = self.resolve(&txs, &times, p.tracked).await?;
         let next = p.after_part(
@@ -2069,7 +2065,7 @@ mod tests {
             let next = p.after_part(
                 part.changes.last().map(|(_, c)| c.seqval),
                 part.changes.len(),
-                part.changes.len(),
+                part.changes.len() as u32,
             );
             let last = part.last;
             out.push((part, next));
@@ -2292,11 +2288,7 @@ mod tests {
             let mut got = vec![];
             for (part, next) in all_parts(&rows, PartCursor::first(lsn(1), lsn(5)), n, true) {
                 let txs = transactions(&instances, &part.changes);
-                let tracked = txs
-                    .iter()
-                    .flat_map(|(_, c)| c)
-                    .filter(|c| is_tracked(&by_table, c))
-                    .count() as u32;
+                let tracked = count_tracked(&by_table, txs.iter().flat_map(|(_, c)| c));
                 got.extend(records(&txs, next.tracked - tracked));
             }
             assert_eq!(got, want, "n = {n}");
