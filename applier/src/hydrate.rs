@@ -201,13 +201,13 @@ impl Source {
     }
 
     /// The catalog of the config's tables as the open snapshot sees it
-    /// (PostgreSQL; the locks of [`Source::begin_snapshot`] keep it so until
-    /// the snapshot ends). `None`: this dialect does not follow schema
-    /// changes while running yet (SQL Server), the start-up catalog stays.
+    /// (PostgreSQL, from its own table list; the locks of
+    /// [`Source::begin_snapshot`] keep it so until the snapshot ends).
     ///
-    /// SQL Server reads it with the batch's hydration (no snapshot spans
-    /// them there; a DDL between the two shows as a query error, and the
-    /// next batch's read follows it).
+    /// SQL Server reads the catalog of `tables` before the batch's
+    /// hydration; no snapshot spans the two there, so a DDL in between can
+    /// fail the hydration query, which stops the applier (the restart
+    /// reads the new catalog). Always `Some` today.
     pub async fn catalog(&mut self, tables: &[(String, String)]) -> Result<Option<Catalog>> {
         match self {
             Source::Postgres { client, tables, .. } => read_catalog(client, tables)
