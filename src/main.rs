@@ -76,6 +76,13 @@ enum Command {
         #[arg(long)]
         continue_with_data_loss: bool,
     },
+    /// Publish aggregates on demand through the outbox (nTangle's explicit
+    /// execution): every aggregate of an entity, some keys, or roots matching
+    /// a condition. A key not found publishes a delete where a version exists;
+    /// unchanged aggregates publish nothing unless --republish. The keys are
+    /// queued in the sidecar and published by the running pipeline's
+    /// appliers; the same command again resumes an unfinished run.
+    Explicit(cmd::explicit::Args),
     /// Lag per stage as JSON: slot vs WAL end, progress vs log end per partition, outbox depth.
     Status,
     /// Print SQL to run by hand.
@@ -196,6 +203,7 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
                 cmd::apply::apply(cfg, instance_id.filter(|i| !i.is_empty())).await
             }
             Command::Status => cmd::status::status(cfg).await,
+            Command::Explicit(args) => cmd::explicit::explicit(cfg, args).await,
             Command::Replay {
                 partition,
                 offset,

@@ -801,7 +801,12 @@ async fn a_rejected_event_goes_to_the_dead_letter_and_the_relay_goes_on() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sink_outage_is_retried_until_the_broker_is_back() {
     // A port nothing listens on yet; the broker is started there later.
-    let port = 59_150 + (std::process::id() % 40) as u16;
+    // The OS picks it (bind to 0), so no other test or leftover broker
+    // can hold it; the listener is closed again before skein starts.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free local port")
+        .port();
     let brokers = format!("127.0.0.1:{port}");
     let prefix = fresh_topic("outage_events");
     let env = Env::new("sink_outage", |y| {

@@ -23,7 +23,8 @@ use std::time::Duration;
 use common::{admin_url, connect, recreate_db};
 use skein_applier::relay::{relay_once, run_relay, RelayScope};
 use skein_applier::sidecar::{
-    AnySidecar, BatchCommit, Fence, OutboxRow, PgSidecar, Rewind, Sidecar, VersionRow,
+    AnySidecar, BatchCommit, ExplicitChunk, Fence, NewRun, OutboxRow, PgSidecar, Rewind, Sidecar,
+    VersionRow,
 };
 use skein_applier::sink::{Sink, SinkEvent};
 use skein_applier::Error;
@@ -102,6 +103,7 @@ fn batch(
             outbox_row(first_event, "[\"1\"]"),
             outbox_row(first_event + 1, "[\"2\"]"),
         ],
+        explicit: vec![],
         versions: vec![
             VersionRow {
                 entity: "customer".into(),
@@ -458,11 +460,163 @@ async fn pg_sidecar(db: &str) -> AnySidecar {
         .unwrap()
 }
 
+/// The explicit-run part of the contract: a run is found again until it
+/// is finished; a chunk moves the cursor and queues its keys atomically,
+/// or (cursor moved) does nothing; a batch of explicit keys takes them off
+/// the queue in its transaction, fenced like any batch, without creating
+/// or moving progress; the same keys cannot be taken twice.
+async fn explicit_contract<S: Sidecar>(mut sc: S) {
+    sc.migrate().await.unwrap();
+    let new = NewRun {
+        group: "contract".into(),
+        entity: "customer".into(),
+        selection: "\"all\"".into(),
+        republish: false,
+        initial: false,
+    };
+    let run = sc.explicit_start(&new).await.unwrap();
+    assert!(!run.resumed);
+    assert_eq!((run.cursor.clone(), run.queued), (None, 0));
+    assert_eq!(sc.explicit_start(&new).await.unwrap().id, run.id);
+    assert!(sc.explicit_start(&new).await.unwrap().resumed);
+    let chunk = |from: Option<&str>, to: &str, keys: &[(u32, &str)], done: bool| ExplicitChunk {
+        run: run.id,
+        group: "contract".into(),
+        topic: "in-process".into(),
+        entity: "customer".into(),
+        republish: false,
+        from: from.map(String::from),
+        to: Some(to.into()),
+        keys: keys.iter().map(|(p, k)| (*p, k.to_string())).collect(),
+        done,
+    };
+    sc.explicit_enqueue(&chunk(
+        None,
+        "[\"2\"]",
+        &[(0, "[\"1\"]"), (1, "[\"2\"]")],
+        false,
+    ))
+    .await
+    .unwrap();
+    // A second process with the old cursor: refused, nothing queued.
+    let e = sc
+        .explicit_enqueue(&chunk(None, "[\"9\"]", &[(0, "[\"9\"]")], true))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("cursor moved"), "{e}");
+    let resumed = sc.explicit_start(&new).await.unwrap();
+    assert_eq!(
+        (resumed.cursor.as_deref(), resumed.queued),
+        (Some("[\"2\"]"), 2)
+    );
+    sc.explicit_enqueue(&chunk(Some("[\"2\"]"), "[\"3\"]", &[(0, "[\"3\"]")], true))
+        .await
+        .unwrap();
+    let st = sc.explicit_run(run.id).await.unwrap().unwrap();
+    assert_eq!((st.state.as_str(), st.queued, st.pending), ("queued", 3, 3));
+    assert!(!st.finished());
+    let p0 = sc
+        .explicit_pending("contract", "in-process", 0, 10)
+        .await
+        .unwrap();
+    let keys: Vec<&str> = p0.iter().map(|i| i.key.as_str()).collect();
+    assert_eq!(keys, ["[\"1\"]", "[\"3\"]"]);
+    let p1 = sc
+        .explicit_pending("contract", "in-process", 1, 10)
+        .await
+        .unwrap();
+    assert_eq!(p1.len(), 1);
+    assert!(sc
+        .explicit_pending("contract", "other-topic", 0, 10)
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Partition 0 has no progress yet: the explicit batch neither needs nor
+    // creates one.
+    let explicit_batch = |partition: u32, expected: Option<Fence>, ids: Vec<i64>, n: u32| {
+        let position = expected.map_or(0, |f| f.position);
+        BatchCommit {
+            group: "contract".into(),
+            topic: "in-process".into(),
+            partition,
+            expected,
+            position,
+            source: None,
+            recheck_after: None,
+            dead_letters: 0,
+            lower: position,
+            upper: position,
+            correlation_id: format!("0190a4c2-0000-7000-9000-{:012}", 900 + n),
+            record_count: ids.len() as i32,
+            entity_count: ids.len() as i32,
+            has_data_loss: false,
+            outbox: vec![outbox_row(900 + n, "[\"1\"]")],
+            versions: vec![],
+            explicit: ids,
+        }
+    };
+    let ids0: Vec<i64> = p0.iter().map(|i| i.id).collect();
+    let (before, _) = sc.pending().await.unwrap();
+    sc.commit(&explicit_batch(0, None, ids0.clone(), 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        sc.progress("contract", "in-process", 0).await.unwrap(),
+        None
+    );
+    assert!(sc
+        .explicit_pending("contract", "in-process", 0, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    // Taken twice: fenced, nothing written.
+    let twice = sc.commit(&explicit_batch(0, None, ids0, 2)).await;
+    assert!(matches!(twice, Err(Error::Fenced { .. })), "{twice:?}");
+    assert_eq!(sc.pending().await.unwrap().0, before + 1);
+
+    // Partition 1 has progress: an explicit batch is fenced on it and
+    // leaves it where it is.
+    let mut first = batch(None, 40, pg_lsn(4), 950, 950);
+    first.partition = 1;
+    sc.commit(&first).await.unwrap();
+    let at = sc
+        .progress("contract", "in-process", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    let ids1: Vec<i64> = p1.iter().map(|i| i.id).collect();
+    let stale = sc
+        .commit(&explicit_batch(1, Some(at_epoch_0(39)), ids1.clone(), 3))
+        .await;
+    assert!(matches!(stale, Err(Error::Fenced { .. })), "{stale:?}");
+    let mut b = explicit_batch(1, Some(at.fence()), ids1, 4);
+    b.source = at.source;
+    sc.commit(&b).await.unwrap();
+    assert_eq!(
+        sc.progress("contract", "in-process", 1).await.unwrap(),
+        Some(at)
+    );
+    let st = sc.explicit_run(run.id).await.unwrap().unwrap();
+    assert_eq!((st.queued, st.pending), (3, 0));
+    assert!(st.finished());
+    // Finished: the same selection starts a new run.
+    let again = sc.explicit_start(&new).await.unwrap();
+    assert!(!again.resumed && again.id != run.id);
+    let runs = sc.explicit_runs("contract", 5).await.unwrap();
+    assert_eq!(
+        runs.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [again.id, run.id]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn postgres_sidecar_keeps_the_contract() {
     let url = pg_db("skein_t_contract_pg").await;
     let sc = PgSidecar::connect(&url, "skein").await.unwrap();
     contract(sc, pg_lsn).await;
+    let url = pg_db("skein_t_contract_pg_explicit").await;
+    explicit_contract(PgSidecar::connect(&url, "skein").await.unwrap()).await;
 }
 
 /// A sidecar a newer skein migrated is refused with what to do: its rows
@@ -514,11 +668,21 @@ async fn sqlserver_sidecar_keeps_the_contract() {
         .await
         .unwrap();
     let url = format!("{};database=skein_t_contract", base.trim_end_matches(';'));
-    let sc = AnySidecar::connect(&Secret::new(url), "skein")
+    let sc = AnySidecar::connect(&Secret::new(url.clone()), "skein")
         .await
         .unwrap();
     assert!(matches!(sc, AnySidecar::SqlServer(_)));
     contract(sc, ms_lsn).await;
+    let mut db = skein_sql::sqlserver::MssqlClient::connect(&url)
+        .await
+        .unwrap();
+    db.batch("a fresh schema", "EXEC(N'CREATE SCHEMA [skein_explicit]')")
+        .await
+        .unwrap();
+    let sc = AnySidecar::connect(&Secret::new(url), "skein_explicit")
+        .await
+        .unwrap();
+    explicit_contract(sc).await;
 }
 
 /// Per aggregate key, the event numbers in outbox id order (the order the
@@ -622,6 +786,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
             has_data_loss: false,
             outbox,
             versions: vec![],
+            explicit: vec![],
         };
         writer.commit(&b).await.unwrap();
         progress.insert(partition, position);

@@ -13,7 +13,7 @@ use skein_sql::Catalog;
 use skein_transporter::Delivery;
 use tracing::info;
 
-use crate::decide::{consolidate, decide, Action, Current};
+use crate::decide::{consolidate, decide, decide_explicit, Action, Current};
 use crate::error::{Error, Result};
 use crate::event::{build_event, EventContext};
 use crate::fresh::{fresh, Fresh};
@@ -62,6 +62,23 @@ struct Step {
     dropped: usize,
     /// The delivery's last step: carries its dead letters and loss notice.
     last: bool,
+}
+
+/// What a batch transaction carries besides its aggregates.
+struct BatchMeta {
+    /// Batch bounds (the batch row).
+    lower: i128,
+    upper: i128,
+    /// The upper bound as the log shows it.
+    upper_text: String,
+    dead_letters: i32,
+    has_data_loss: bool,
+    /// Records (or queued explicit keys) applied.
+    records: usize,
+    /// Source transactions the hydration snapshot must see.
+    xids: Vec<u64>,
+    /// Queued explicit keys the batch takes off the queue.
+    explicit: Vec<i64>,
 }
 
 /// What one applied batch did.
@@ -398,11 +415,116 @@ impl<S: Sidecar> Applier<S> {
         records: &[ChangeRecord],
         step: Step,
     ) -> Result<Applied> {
+        // Normal PostgreSQL ids only (0-2 are special).
+        let mut xids: Vec<u64> = records
+            .iter()
+            .map(|r| r.tx_id)
+            .filter(|x| *x >= 3)
+            .collect();
+        xids.sort_unstable();
+        xids.dedup();
+        let batch = BatchMeta {
+            lower: d.lower.numeric(),
+            upper: d.upper.numeric(),
+            upper_text: d.upper.to_string(),
+            // A delivery's dead letters and loss notice go with its last step.
+            dead_letters: if step.last { d.dead_letters } else { 0 },
+            has_data_loss: step.last && d.has_data_loss,
+            records: records.len(),
+            xids,
+            explicit: vec![],
+        };
+        self.commit_aggregates(consolidate(records), batch, step)
+            .await
+    }
+
+    /// Publishes what the explicit queue holds for this partition
+    /// ([`crate::explicit`]): at most a page of keys, in one batch
+    /// transaction that takes them off the queue. The progress stays where
+    /// it is (the stream's records are untouched) but the commit is fenced
+    /// like the stream's, so it is serialised with them: every event of an
+    /// aggregate is written by its partition's one applier, each from state
+    /// read after the previous one was committed, so none can carry an
+    /// older state than the event before it.
+    ///
+    /// Returns what it did; nothing queued writes nothing.
+    pub async fn explicit_once(&mut self) -> Result<Applied> {
+        let page = i64::try_from(self.cfg.extractor.max_batch_changes.max(1)).unwrap_or(i64::MAX);
+        let expected = self.progress().await?;
+        let items = self
+            .sidecar
+            .explicit_pending(&self.cfg.name, &self.topic, self.partition, page)
+            .await?;
+        if items.is_empty() {
+            return Ok(Applied::default());
+        }
+        let now = chrono::Utc::now().timestamp_micros();
+        let at = expected
+            .as_ref()
+            .and_then(|p| p.source)
+            .unwrap_or(skein_common::ChangePosition {
+                commit: skein_common::PgLsn(0).into(),
+                seq: 0,
+            });
+        // One aggregate queued twice (two runs) is published once, with a
+        // republish if either asked for one.
+        let mut consolidated: Vec<crate::decide::Consolidated> = vec![];
+        let mut index: HashMap<(String, String), usize> = HashMap::new();
+        for it in &items {
+            let key = RootKey::from_canonical(&it.key).ok_or_else(|| {
+                Error::Data(format!("queued explicit key `{}` is not a key", it.key))
+            })?;
+            match index.get(&(it.entity.clone(), it.key.clone())) {
+                Some(i) => {
+                    let c = &mut consolidated[*i];
+                    c.explicit = Some(c.explicit == Some(true) || it.republish);
+                    c.records += 1;
+                }
+                None => {
+                    index.insert((it.entity.clone(), it.key.clone()), consolidated.len());
+                    consolidated.push(crate::decide::Consolidated::explicit(
+                        &it.entity,
+                        key,
+                        it.republish,
+                        at,
+                        now,
+                    ));
+                }
+            }
+        }
+        let position = expected.as_ref().map_or(0, |p| p.position);
+        let step = Step {
+            position,
+            source: expected.as_ref().and_then(|p| p.source),
+            recheck_after: expected.as_ref().and_then(|p| p.recheck_after.clone()),
+            dropped: 0,
+            last: true,
+        };
+        let batch = BatchMeta {
+            lower: position,
+            upper: position,
+            upper_text: "explicit".into(),
+            dead_letters: 0,
+            has_data_loss: false,
+            records: items.len(),
+            xids: vec![],
+            explicit: items.iter().map(|i| i.id).collect(),
+        };
+        self.commit_aggregates(consolidated, batch, step).await
+    }
+
+    /// Hydrates, versions and commits consolidated aggregates as one batch
+    /// transaction, moving the progress as `step` says.
+    async fn commit_aggregates(
+        &mut self,
+        consolidated: Vec<crate::decide::Consolidated>,
+        batch: BatchMeta,
+        step: Step,
+    ) -> Result<Applied> {
         let started = Instant::now();
         let expected = self.progress().await?;
         let dropped = step.dropped;
         let correlation_id = uuid::Uuid::now_v7().to_string();
-        let consolidated = consolidate(records);
 
         // Hydrate and load versions per entity, batched.
         let mut by_entity: HashMap<&str, Vec<usize>> = HashMap::new();
@@ -422,15 +544,7 @@ impl<S: Sidecar> Applier<S> {
         // aggregate's tables or in none, so every event is a state that
         // existed. The snapshot ends (commits or, after an error, rolls
         // back) before anything else can fail.
-        // Normal PostgreSQL ids only (0-2 are special).
-        let mut xids: Vec<u64> = records
-            .iter()
-            .map(|r| r.tx_id)
-            .filter(|x| *x >= 3)
-            .collect();
-        xids.sort_unstable();
-        xids.dedup();
-        self.source.begin_snapshot(&xids).await?;
+        self.source.begin_snapshot(&batch.xids).await?;
         let read = match self.follow_schema().await {
             Ok(()) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
             Err(e) => Err(e),
@@ -450,7 +564,12 @@ impl<S: Sidecar> Applier<S> {
             let stored = self.sidecar.versions(entity, &canon).await?;
             for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {
                 let c = &consolidated[*i];
-                let Some(d) = decide(c, cur, stored.get(ck), &h.delete_payload(&c.key)) else {
+                let delete = h.delete_payload(&c.key);
+                let decided = match c.explicit {
+                    Some(republish) => decide_explicit(cur, stored.get(ck), &delete, republish),
+                    None => decide(c, cur, stored.get(ck), &delete),
+                };
+                let Some(d) = decided else {
                     continue;
                 };
                 let id = uuid::Uuid::now_v7().to_string();
@@ -495,16 +614,16 @@ impl<S: Sidecar> Applier<S> {
             position: step.position,
             source: step.source,
             recheck_after: step.recheck_after.clone(),
-            // A delivery's dead letters and loss notice go with its last step.
-            dead_letters: if step.last { d.dead_letters } else { 0 },
-            lower: d.lower.numeric(),
-            upper: d.upper.numeric(),
+            dead_letters: batch.dead_letters,
+            lower: batch.lower,
+            upper: batch.upper,
             correlation_id,
-            record_count: records.len() as i32,
+            record_count: batch.records as i32,
             entity_count: consolidated.len() as i32,
-            has_data_loss: step.last && d.has_data_loss,
+            has_data_loss: batch.has_data_loss,
             outbox,
             versions,
+            explicit: batch.explicit,
         };
         failpoint("applier.before_sidecar");
         let result = self.sidecar.commit(&commit).await;
@@ -525,7 +644,7 @@ impl<S: Sidecar> Applier<S> {
             epoch: expected.map_or(0, |p| p.epoch),
         }));
         let applied = Applied {
-            records: records.len(),
+            records: batch.records,
             entities: consolidated.len(),
             events: commit.outbox.len(),
             batch_id: Some(batch_id),
@@ -533,7 +652,7 @@ impl<S: Sidecar> Applier<S> {
         info!(
             partition = self.partition,
             batch_id,
-            upper = %d.upper,
+            upper = %batch.upper_text,
             records = applied.records,
             duplicates = dropped,
             dead_letters = commit.dead_letters,

@@ -26,6 +26,32 @@ pub struct Consolidated {
     pub commit_time_micros: i64,
     /// How many records were folded.
     pub records: usize,
+    /// An explicit key (`skein explicit`), not a change: decided by
+    /// [`decide_explicit`]; `Some(true)` republishes.
+    pub explicit: Option<bool>,
+}
+
+impl Consolidated {
+    /// A queued explicit key ([`crate::explicit`]): no change behind it;
+    /// `at` orders it in its batch, `now_micros` is its event time.
+    pub fn explicit(
+        entity: &str,
+        key: RootKey,
+        republish: bool,
+        at: ChangePosition,
+        now_micros: i64,
+    ) -> Consolidated {
+        Consolidated {
+            entity: entity.to_string(),
+            key,
+            first_op: Op::Update,
+            has_delete: true,
+            last_position: at,
+            commit_time_micros: now_micros,
+            records: 1,
+            explicit: Some(republish),
+        }
+    }
 }
 
 /// Folds records per (entity, root key), keeping first-seen order.
@@ -52,6 +78,7 @@ pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
                     last_position: r.position,
                     commit_time_micros: r.commit_time_micros,
                     records: 1,
+                    explicit: None,
                 });
             }
         }
@@ -184,6 +211,69 @@ pub fn decide(
                 etag: Some(tag),
             })
         }
+    }
+}
+
+/// An explicit key as [`decide`] sees it: an update that may be a delete.
+fn as_change() -> Consolidated {
+    let at = ChangePosition {
+        commit: skein_common::PgLsn(0).into(),
+        seq: 0,
+    };
+    Consolidated::explicit("", RootKey(vec![]), false, at, 0)
+}
+
+/// Decides the event for an explicit key, nTangle's Explicit semantics:
+///
+/// * gone (or logically deleted) → **delete** where a live version exists;
+///   nothing where none does (never published) or the last was a delete,
+///   unless `republish` and a version exists (the delete is sent again);
+/// * present with no version, or after a delete → **create**;
+/// * present and published → **update** when the etag changed, or always
+///   with `republish`.
+pub fn decide_explicit(
+    current: &Current,
+    stored: Option<&Stored>,
+    delete: &DeletePayload,
+    republish: bool,
+) -> Option<Decision> {
+    let gone = match current {
+        Current::Missing => true,
+        Current::Present { is_deleted, .. } => *is_deleted,
+    };
+    if gone {
+        let stored = stored?;
+        if stored.is_deleted && !republish {
+            return None;
+        }
+        let forced = Stored {
+            etag: stored.etag.clone(),
+            is_deleted: false,
+        };
+        return decide(&as_change(), current, Some(&forced), delete);
+    }
+    // Never published: a create.
+    let mut c = as_change();
+    if stored.is_none() {
+        c.first_op = Op::Insert;
+    }
+    match (decide(&c, current, stored, delete), stored) {
+        (Some(d), _) => Some(d),
+        // Unchanged: only a republish sends it, as an update.
+        (None, Some(_)) if republish => {
+            let Current::Present {
+                data, etag_input, ..
+            } = current
+            else {
+                return None;
+            };
+            Some(Decision {
+                action: Action::Updated,
+                data: data.clone(),
+                etag: Some(etag(etag_input)),
+            })
+        }
+        (None, _) => None,
     }
 }
 

@@ -92,6 +92,54 @@ impl Source {
         }
     }
 
+    /// A page of the entity's root keys, in key order, for an explicit run
+    /// ([`crate::explicit`]): at most `limit`, after `after` (from the first
+    /// when `None`), those matching the operator's `filter` on the root when
+    /// given. Read in its own read-only transaction, so a filter cannot
+    /// write.
+    pub async fn root_keys(
+        &mut self,
+        root: &TableNode,
+        catalog: &Catalog,
+        filter: Option<&str>,
+        after: Option<&RootKey>,
+        limit: i64,
+    ) -> Result<Vec<RootKey>> {
+        match self {
+            Source::Postgres { client, .. } => {
+                let sql =
+                    skein_sql::postgres::explicit_keys_sql(root, catalog, filter, after.is_some());
+                let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![];
+                if let Some(k) = after {
+                    for v in &k.0 {
+                        params.push(v);
+                    }
+                }
+                params.push(&limit);
+                let tx = client
+                    .build_transaction()
+                    .read_only(true)
+                    .start()
+                    .await
+                    .map_err(db("beginning the explicit key read"))?;
+                let rows = tx
+                    .query(sql.as_str(), &params)
+                    .await
+                    .map_err(db(format!("selecting keys of {}", root.qualified())))?;
+                tx.commit()
+                    .await
+                    .map_err(db("ending the explicit key read"))?;
+                Ok(rows
+                    .iter()
+                    .map(|r| RootKey((0..r.len()).map(|i| r.get(i)).collect()))
+                    .collect())
+            }
+            Source::SqlServer(_) => Err(Error::Data(
+                "explicit runs on a SQL Server source are not built yet".into(),
+            )),
+        }
+    }
+
     /// The dialect.
     pub fn dialect(&self) -> Dialect {
         match self {

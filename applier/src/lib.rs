@@ -22,6 +22,7 @@ pub mod apply;
 pub mod decide;
 pub mod error;
 pub mod event;
+pub mod explicit;
 pub mod fresh;
 pub mod hydrate;
 pub mod relay;

@@ -7,7 +7,7 @@
 //! inside the inboxes, so the loop itself never blocks a worker and holds
 //! no lock across an await.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,10 @@ use crate::sidecar::{AnySidecar, Progress, Sidecar};
 /// How often an idle applier checks that its partitions' progress was not
 /// moved by someone else (`skein replay --force-while-running`).
 const PROGRESS_CHECK: Duration = Duration::from_secs(2);
+
+/// How often an applier looks for queued explicit keys of its partitions
+/// when the last look found none.
+const EXPLICIT_POLL: Duration = Duration::from_millis(500);
 
 /// What the loop does when a delivery could not be applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,12 +81,28 @@ pub async fn run<I: Inbox>(
     async move {
         let mut appliers: HashMap<u32, Applier<AnySidecar>> = HashMap::new();
         let mut last_check = Instant::now();
+        // The partitions this loop was given: their explicit queues are its.
+        let mut mine: BTreeSet<u32> = BTreeSet::new();
+        let mut last_explicit: Option<Instant> = None;
+        let mut explicit_busy = false;
         loop {
+            if explicit_busy || last_explicit.is_none_or(|t| t.elapsed() > EXPLICIT_POLL) {
+                last_explicit = Some(Instant::now());
+                explicit_busy = explicit_pass(cfg, catalog, &topic, kind, &mine, &mut appliers, inbox).await?;
+            }
             let round = tokio::select! {
                 r = inbox.next() => r?,
                 _ = cancel.cancelled() => break,
             };
             for m in &round.membership {
+                match m {
+                    Membership::Assigned(ps) => mine.extend(ps.iter().copied()),
+                    Membership::Revoked(ps) => {
+                        for p in ps {
+                            mine.remove(p);
+                        }
+                    }
+                }
                 let (Membership::Assigned(ps) | Membership::Revoked(ps)) = m;
                 for p in ps {
                     // Whoever held the partition meanwhile may have moved
@@ -201,6 +221,46 @@ pub async fn run<I: Inbox>(
     }
     .instrument(span)
     .await
+}
+
+/// Publishes a page of each owned partition's queued explicit keys
+/// ([`Applier::explicit_once`]), one partition after the other, between
+/// rounds: serialised with the partition's deliveries. Returns whether any
+/// partition had some (look again at once). A fence re-seeks the
+/// partition, as for a delivery; any other failure stops the loop.
+async fn explicit_pass<I: Inbox>(
+    cfg: &Config,
+    catalog: &Catalog,
+    topic: &str,
+    kind: CheckpointKind,
+    mine: &BTreeSet<u32>,
+    appliers: &mut HashMap<u32, Applier<AnySidecar>>,
+    inbox: &mut I,
+) -> Result<bool> {
+    let mut busy = false;
+    for &p in mine {
+        if let std::collections::hash_map::Entry::Vacant(v) = appliers.entry(p) {
+            v.insert(connect(cfg, catalog, topic, p, kind).await?);
+        }
+        let a = appliers.get_mut(&p).expect("connected above");
+        match a
+            .explicit_once()
+            .instrument(info_span!("partition", partition = p))
+            .await
+        {
+            Ok(done) => busy |= done.records > 0,
+            Err(e) if after_failure(&e) == AfterFailure::Reseek => {
+                warn!(partition = p, error = %e, "fenced while publishing explicit keys: another applier moved this partition's progress; nothing was written, re-seeking");
+                a.reset_progress();
+                reseek(a, p, inbox).await?;
+            }
+            Err(e) => {
+                error!(partition = p, error = %e, "publishing explicit keys failed");
+                return Err(e);
+            }
+        }
+    }
+    Ok(busy)
 }
 
 /// Moves the inbox of partition `p` to the applier's stored progress.

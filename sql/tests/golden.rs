@@ -134,6 +134,16 @@ fn postgres_hydration_and_lookup_queries_are_frozen() {
             &["customer_id".into()]
         )
     ));
+    for (what, filter, after) in [
+        ("all, first page", None, false),
+        ("all, after a key", None, true),
+        ("--where, after a key", Some("region = 'EU'"), true),
+    ] {
+        out.push_str(&format!(
+            "\n-- explicit: root keys, {what}\n{};\n",
+            skein_sql::postgres::explicit_keys_sql(&nodes[0], &cat, filter, after)
+        ));
+    }
     check("postgres_queries_quickstart.sql", &out);
 }
 
@@ -564,6 +574,34 @@ fn postgres_sidecar_statements_are_frozen() {
             "replay --republish: forget versions",
             sc::forget_versions_sql(s),
         ),
+        (
+            "explicit: the unfinished run to resume",
+            sc::explicit_find_sql(s),
+        ),
+        ("explicit: a new run", sc::explicit_insert_sql(s)),
+        (
+            "explicit chunk 1: move the cursor",
+            sc::explicit_advance_sql(s),
+        ),
+        ("explicit chunk 2: queue keys", sc::explicit_enqueue_sql(s)),
+        (
+            "explicit: a partition's queued keys",
+            sc::explicit_pending_sql(s),
+        ),
+        (
+            "batch transaction 1c: explicit keys before the first progress, lock",
+            sc::lock_absent_progress_sql(s)[0].clone(),
+        ),
+        (
+            "batch transaction 1c: explicit keys before the first progress, unlock",
+            sc::lock_absent_progress_sql(s)[1].clone(),
+        ),
+        (
+            "batch transaction 5: explicit keys off the queue",
+            sc::explicit_done_sql(s),
+        ),
+        ("status: explicit runs", sc::explicit_runs_sql(s)),
+        ("explicit: one run", sc::explicit_run_sql(s)),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))

@@ -3,7 +3,7 @@
 use skein_applier::run::repartition_check;
 use skein_common::config::Config;
 use skein_common::CheckpointKind;
-use skein_extractor::{AnySource, SledMarkerStore};
+use skein_extractor::{AnySource, MarkerStore, SledMarkerStore};
 use skein_transporter::kafka::{ensure_topic, watermarks, KafkaTransport};
 
 use super::{kafka, kafka_client, prepare_sidecar, shutdown_token};
@@ -13,7 +13,8 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
     let k = kafka(&cfg)?;
     let (kc, topic) = (kafka_client(k), &k.topic);
-    let markers = SledMarkerStore::open(&cfg.state_dir)?;
+    let markers = std::sync::Arc::new(SledMarkerStore::open(&cfg.state_dir)?);
+    let first_start = markers.load()?.is_none();
     let in_topic = ensure_topic(&kc, topic, k.partitions, k.replication_factor).await?;
     // Where the appliers had got to, should the marker be gone; a changed
     // partition count only once every partition is applied to its log end.
@@ -43,7 +44,24 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     })
     .await?;
     let transport = KafkaTransport::new(&kc, topic, k.partitions)?;
+    super::explicit::plan_initial_load(&cfg, first_start && floor.is_none()).await?;
     let mut source = AnySource::connect(&cfg).await?;
-    skein_extractor::run(&cfg, &mut source, &markers, floor, &transport, cancel).await?;
+    let loading = tokio::spawn(super::explicit::initial_load(
+        cfg.clone(),
+        markers.clone(),
+        cancel.clone(),
+    ));
+    let result = skein_extractor::run(
+        &cfg,
+        &mut source,
+        &*markers,
+        floor,
+        &transport,
+        cancel.clone(),
+    )
+    .await;
+    cancel.cancel();
+    let _ = loading.await;
+    result?;
     Ok(())
 }

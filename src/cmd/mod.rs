@@ -3,6 +3,7 @@
 //! Kafka client settings) is here.
 
 pub mod apply;
+pub mod explicit;
 pub mod extract;
 pub mod marker;
 pub mod relay;

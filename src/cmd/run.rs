@@ -20,7 +20,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let Transport::InProcess(t) = &cfg.transport else {
         bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
     };
-    let markers = SledMarkerStore::open(&cfg.state_dir)?;
+    let markers = std::sync::Arc::new(SledMarkerStore::open(&cfg.state_dir)?);
     let kind = CheckpointKind::Source(cfg.source.dialect());
     // Re-keyed records must not land in a partition whose progress already
     // covers them: see `rekey_in_process`.
@@ -29,6 +29,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         Ok(rekey_in_process(known, marker))
     })
     .await?;
+    super::explicit::plan_initial_load(&cfg, marker.is_none() && floor.is_none()).await?;
     let mut source = AnySource::connect(&cfg).await?;
     let catalog = source.catalog().clone();
     let (transport, mut inbox) =
@@ -50,15 +51,22 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         "relay".into(),
         relay_cancel.clone(),
     ));
+    let loading = tokio::spawn(super::explicit::initial_load(
+        cfg.clone(),
+        markers.clone(),
+        cancel.clone(),
+    ));
     let extraction = skein_extractor::run(
         &cfg,
         &mut source,
-        &markers,
+        &*markers,
         floor,
         &transport,
         cancel.clone(),
     );
     let (result, relay_died) = watch_relay(extraction, &mut relay, &cancel).await;
+    cancel.cancel();
+    let _ = loading.await;
     drop(transport);
     let applied = appliers.await;
     if let Some(ended) = relay_died {

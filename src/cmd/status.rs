@@ -11,7 +11,10 @@
 //!   `retrying`, `stopped`), last error with its time, and `updated_at`
 //!   (a running relay refreshes it every 10 s). A relay killed without a
 //!   chance to report keeps its last state: an old `updated_at`, or no
-//!   holder in `relay_lease`, says it is not running.
+//!   holder in `relay_lease`, says it is not running;
+//! * `explicit`: explicit runs (`skein explicit`, the initial load), every
+//!   unfinished one and the last five others: keys queued, still pending,
+//!   published, and whether all are.
 
 use skein_applier::sidecar::Sidecar;
 use skein_common::config::{Config, Transport};
@@ -112,6 +115,20 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
         "relays".into(),
         serde_json::to_value(sidecar.relay_states().await?)?,
     );
+    // Explicit runs: every unfinished one and the last five others, with
+    // how many of their keys the appliers published.
+    let runs: Vec<serde_json::Value> = sidecar
+        .explicit_runs(&cfg.name, 5)
+        .await?
+        .into_iter()
+        .map(|r| {
+            let mut v = serde_json::to_value(&r).unwrap_or_default();
+            v["published"] = (r.queued - r.pending).into();
+            v["finished"] = r.finished().into();
+            v
+        })
+        .collect();
+    out.insert("explicit".into(), runs.into());
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }

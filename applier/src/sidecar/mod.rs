@@ -90,6 +90,114 @@ pub struct BatchCommit {
     pub outbox: Vec<OutboxRow>,
     /// Versions.
     pub versions: Vec<VersionRow>,
+    /// Queued explicit keys ([`Sidecar::explicit_pending`]) this batch
+    /// published: taken off the queue in the same transaction. A batch of
+    /// explicit keys leaves the progress as it is (`position`, `source` and
+    /// `recheck_after` are the expected ones) but is fenced like any other;
+    /// before the partition's first commit it locks the absent progress row
+    /// instead of creating it. Fewer queued rows than ids: another applier
+    /// took them, [`Error::Fenced`].
+    pub explicit: Vec<i64>,
+}
+
+/// A new explicit run, or the unfinished identical one to resume
+/// ([`Sidecar::explicit_start`]).
+#[derive(Clone, Debug)]
+pub struct NewRun {
+    /// Progress group.
+    pub group: String,
+    /// Entity name.
+    pub entity: String,
+    /// What it selects, as stored JSON text ([`crate::explicit::Selection`]).
+    pub selection: String,
+    /// Publish even when the etag is unchanged.
+    pub republish: bool,
+    /// Started by `extractor.initial_load`.
+    pub initial: bool,
+}
+
+/// An explicit run as [`Sidecar::explicit_start`] found or created it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExplicitRun {
+    /// Run id.
+    pub id: i64,
+    /// The last key (canonical) or key-list index queued; `None` before the first chunk.
+    pub cursor: Option<String>,
+    /// Keys queued so far.
+    pub queued: i64,
+    /// An unfinished run was found and is resumed.
+    pub resumed: bool,
+}
+
+/// One chunk of an explicit run, queued in one transaction with the run's
+/// cursor ([`Sidecar::explicit_enqueue`]).
+#[derive(Clone, Debug)]
+pub struct ExplicitChunk {
+    /// Run id.
+    pub run: i64,
+    /// Progress group.
+    pub group: String,
+    /// Progress topic the appliers key their work by.
+    pub topic: String,
+    /// Entity name.
+    pub entity: String,
+    /// Publish even when the etag is unchanged.
+    pub republish: bool,
+    /// The cursor the chunk starts after (what the run's cursor must be).
+    pub from: Option<String>,
+    /// The cursor after the chunk.
+    pub to: Option<String>,
+    /// `(partition, canonical key)` in selection order.
+    pub keys: Vec<(u32, String)>,
+    /// The selection is exhausted: the run's state becomes `queued`.
+    pub done: bool,
+}
+
+/// A queued explicit key ([`Sidecar::explicit_pending`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExplicitItem {
+    /// Queue row id.
+    pub id: i64,
+    /// Entity name.
+    pub entity: String,
+    /// Canonical root key.
+    pub key: String,
+    /// Publish even when the etag is unchanged.
+    pub republish: bool,
+}
+
+/// An explicit run for `skein status` and `skein explicit`'s progress.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ExplicitRunStatus {
+    /// Run id.
+    pub id: i64,
+    /// Entity name.
+    pub entity: String,
+    /// What it selects (stored JSON text).
+    pub selection: String,
+    /// Publish even when the etag is unchanged.
+    pub republish: bool,
+    /// Started by `extractor.initial_load`.
+    pub initial: bool,
+    /// `selecting` (keys still being queued), `queued` (all keys queued).
+    pub state: String,
+    /// The last key or index queued.
+    pub cursor: Option<String>,
+    /// Keys queued.
+    pub queued: i64,
+    /// Keys queued and not yet published by their partition's applier.
+    pub pending: i64,
+    /// When the run started (UTC, ISO 8601).
+    pub created_at: String,
+    /// When its cursor last moved.
+    pub updated_at: String,
+}
+
+impl ExplicitRunStatus {
+    /// Every key selected, queued and published.
+    pub fn finished(&self) -> bool {
+        self.state != "selecting" && self.pending == 0
+    }
 }
 
 /// A partition's committed progress.
@@ -357,6 +465,41 @@ pub trait Sidecar {
 
     /// Every relay's last reported state.
     fn relay_states(&mut self) -> impl Future<Output = Result<Vec<RelayState>>> + Send;
+
+    /// Finds the unfinished run identical to `run` (same group, entity,
+    /// selection, republish and initial) to resume it, or creates one.
+    fn explicit_start(&mut self, run: &NewRun) -> impl Future<Output = Result<ExplicitRun>> + Send;
+
+    /// Queues a chunk and moves its run's cursor, in one transaction; if
+    /// the cursor is no longer `chunk.from` (another process runs the run)
+    /// nothing is written and an error says so.
+    fn explicit_enqueue(
+        &mut self,
+        chunk: &ExplicitChunk,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// At most `limit` queued explicit keys of a partition, oldest first.
+    fn explicit_pending(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<ExplicitItem>>> + Send;
+
+    /// Explicit run `id`, if it exists.
+    fn explicit_run(
+        &mut self,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<ExplicitRunStatus>>> + Send;
+
+    /// The explicit runs of `group`: every unfinished one and the last
+    /// `recent` others, newest first.
+    fn explicit_runs(
+        &mut self,
+        group: &str,
+        recent: i64,
+    ) -> impl Future<Output = Result<Vec<ExplicitRunStatus>>> + Send;
 }
 
 /// A relay's last reported state ([`Sidecar::relay_report`]).
@@ -558,5 +701,31 @@ impl Sidecar for AnySidecar {
 
     async fn relay_states(&mut self) -> Result<Vec<RelayState>> {
         delegate!(self, s => s.relay_states().await)
+    }
+
+    async fn explicit_start(&mut self, run: &NewRun) -> Result<ExplicitRun> {
+        delegate!(self, s => s.explicit_start(run).await)
+    }
+
+    async fn explicit_enqueue(&mut self, chunk: &ExplicitChunk) -> Result<()> {
+        delegate!(self, s => s.explicit_enqueue(chunk).await)
+    }
+
+    async fn explicit_pending(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+        limit: i64,
+    ) -> Result<Vec<ExplicitItem>> {
+        delegate!(self, s => s.explicit_pending(group, topic, partition, limit).await)
+    }
+
+    async fn explicit_runs(&mut self, group: &str, recent: i64) -> Result<Vec<ExplicitRunStatus>> {
+        delegate!(self, s => s.explicit_runs(group, recent).await)
+    }
+
+    async fn explicit_run(&mut self, id: i64) -> Result<Option<ExplicitRunStatus>> {
+        delegate!(self, s => s.explicit_run(id).await)
     }
 }

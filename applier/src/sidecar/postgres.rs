@@ -11,7 +11,8 @@ use skein_common::failpoint::failpoint;
 use skein_sql::postgres::sidecar as sc;
 
 use super::{
-    parse_numeric, source_position, BatchCommit, Fence, Progress, RelayState, Rewind, Sidecar,
+    parse_numeric, source_position, BatchCommit, ExplicitChunk, ExplicitItem, ExplicitRun,
+    ExplicitRunStatus, Fence, NewRun, Progress, RelayState, Rewind, Sidecar,
 };
 use crate::connect_postgres;
 use crate::decide::Stored;
@@ -242,8 +243,24 @@ impl Sidecar for PgSidecar {
         let expected_epoch = b.expected.map(|e| e.epoch);
         let (lower, upper) = (b.lower.to_string(), b.upper.to_string());
         let src_seq: Option<i64> = b.source.map(|p| i64::try_from(p.seq).unwrap_or(i64::MAX));
-        // 1. Fence: move progress only from where this applier started.
+        // 1. Fence: move progress only from where this applier started. An
+        // explicit batch before the partition's first commit locks the
+        // absent row instead (see `lock_absent_progress_sql`).
+        let explicit_first = !b.explicit.is_empty() && expected_text.is_none();
         let moved = match &expected_text {
+            None if explicit_first => {
+                let [insert, delete] = sc::lock_absent_progress_sql(s);
+                let n = tx
+                    .execute(&insert, &[&b.group, &b.topic, &partition])
+                    .await
+                    .map_err(db("locking the partition's absent progress"))?;
+                if n == 1 {
+                    tx.execute(&delete, &[&b.group, &b.topic, &partition])
+                        .await
+                        .map_err(db("locking the partition's absent progress"))?;
+                }
+                n
+            }
             Some(expected) => tx
                 .execute(
                     &sc::advance_progress_sql(s),
@@ -356,8 +373,23 @@ impl Sidecar for PgSidecar {
             .map_err(db("upserting versions"))?;
         }
 
+        // 5. Explicit keys published by this batch leave the queue.
+        if !b.explicit.is_empty() {
+            let taken = tx
+                .execute(&sc::explicit_done_sql(s), &[&b.explicit])
+                .await
+                .map_err(db("taking explicit keys off the queue"))?;
+            if taken != b.explicit.len() as u64 {
+                return Err(Error::Fenced {
+                    partition: b.partition,
+                    expected: b.expected,
+                    found: b.expected,
+                });
+            }
+        }
+
         failpoint("applier.before_commit");
-        // 5. Commit: everything above becomes visible at once, or none of it.
+        // 6. Commit: everything above becomes visible at once, or none of it.
         tx.commit().await.map_err(db("committing the batch"))?;
         failpoint("applier.after_commit");
         Ok(batch_id)
@@ -496,6 +528,147 @@ impl Sidecar for PgSidecar {
                 updated_at: r.get(4),
             })
             .collect())
+    }
+
+    async fn explicit_start(&mut self, run: &NewRun) -> Result<ExplicitRun> {
+        let s = self.schema.as_str();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [
+            &run.group,
+            &run.entity,
+            &run.selection,
+            &run.republish,
+            &run.initial,
+        ];
+        let found = self
+            .client
+            .query_opt(&sc::explicit_find_sql(s), &params)
+            .await
+            .map_err(db("looking for an unfinished explicit run"))?;
+        if let Some(r) = found {
+            return Ok(ExplicitRun {
+                id: r.get(0),
+                cursor: r.get(1),
+                queued: r.get(2),
+                resumed: true,
+            });
+        }
+        let id: i64 = self
+            .client
+            .query_one(&sc::explicit_insert_sql(s), &params)
+            .await
+            .map_err(db("creating an explicit run"))?
+            .get(0);
+        Ok(ExplicitRun {
+            id,
+            cursor: None,
+            queued: 0,
+            resumed: false,
+        })
+    }
+
+    async fn explicit_enqueue(&mut self, c: &ExplicitChunk) -> Result<()> {
+        let s = self.schema.as_str();
+        let tx = self
+            .client
+            .transaction()
+            .await
+            .map_err(db("beginning an explicit chunk"))?;
+        let state = if c.done { "queued" } else { "selecting" };
+        let moved = tx
+            .execute(
+                &sc::explicit_advance_sql(s),
+                &[&c.run, &c.from, &c.to, &(c.keys.len() as i64), &state],
+            )
+            .await
+            .map_err(db("moving the explicit run's cursor"))?;
+        if moved != 1 {
+            return Err(Error::Data(format!(
+                "explicit run {}: its cursor moved meanwhile (another `skein explicit` or \
+                 `skein run` is running it); nothing of this chunk was queued",
+                c.run
+            )));
+        }
+        let partitions: Vec<i32> = c.keys.iter().map(|(p, _)| *p as i32).collect();
+        let keys: Vec<&str> = c.keys.iter().map(|(_, k)| k.as_str()).collect();
+        tx.execute(
+            &sc::explicit_enqueue_sql(s),
+            &[
+                &c.run,
+                &c.group,
+                &c.topic,
+                &c.entity,
+                &c.republish,
+                &partitions,
+                &keys,
+            ],
+        )
+        .await
+        .map_err(db("queueing explicit keys"))?;
+        failpoint("explicit.before_chunk_commit");
+        tx.commit()
+            .await
+            .map_err(db("committing an explicit chunk"))
+    }
+
+    async fn explicit_pending(
+        &mut self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+        limit: i64,
+    ) -> Result<Vec<ExplicitItem>> {
+        let rows = self
+            .client
+            .query(
+                &sc::explicit_pending_sql(&self.schema),
+                &[&group, &topic, &(partition as i32), &limit],
+            )
+            .await
+            .map_err(db("reading queued explicit keys"))?;
+        Ok(rows
+            .iter()
+            .map(|r| ExplicitItem {
+                id: r.get(0),
+                entity: r.get(1),
+                key: r.get(2),
+                republish: r.get(3),
+            })
+            .collect())
+    }
+
+    async fn explicit_runs(&mut self, group: &str, recent: i64) -> Result<Vec<ExplicitRunStatus>> {
+        let rows = self
+            .client
+            .query(&sc::explicit_runs_sql(&self.schema), &[&group, &recent])
+            .await
+            .map_err(db("reading explicit runs"))?;
+        Ok(rows.iter().map(run_status).collect())
+    }
+
+    async fn explicit_run(&mut self, id: i64) -> Result<Option<ExplicitRunStatus>> {
+        let row = self
+            .client
+            .query_opt(&sc::explicit_run_sql(&self.schema), &[&id])
+            .await
+            .map_err(db("reading an explicit run"))?;
+        Ok(row.as_ref().map(run_status))
+    }
+}
+
+/// An explicit run as `explicit_run_select` reads it.
+fn run_status(r: &tokio_postgres::Row) -> ExplicitRunStatus {
+    ExplicitRunStatus {
+        id: r.get(0),
+        entity: r.get(1),
+        selection: r.get(2),
+        republish: r.get(3),
+        initial: r.get(4),
+        state: r.get(5),
+        cursor: r.get(6),
+        queued: r.get(7),
+        pending: r.get(8),
+        created_at: r.get(9),
+        updated_at: r.get(10),
     }
 }
 

@@ -18,9 +18,13 @@ use skein_sql::sqlserver::sidecar as sc;
 use skein_sql::sqlserver::MssqlClient;
 
 use super::{
-    parse_numeric, source_position, BatchCommit, OutboxRow, Progress, RelayState, Rewind, Sidecar,
-    VersionRow,
+    parse_numeric, source_position, BatchCommit, ExplicitChunk, ExplicitItem, ExplicitRun,
+    ExplicitRunStatus, NewRun, OutboxRow, Progress, RelayState, Rewind, Sidecar, VersionRow,
 };
+
+fn not_yet() -> Error {
+    Error::Data("explicit runs on a SQL Server sidecar are not built yet".into())
+}
 use crate::decide::Stored;
 use crate::error::{Error, Result};
 use crate::sink::{Sink, SinkEvent};
@@ -606,6 +610,37 @@ impl Sidecar for MssqlSidecar {
                 updated_at: text(r.get(4)).unwrap_or_default(),
             })
             .collect())
+    }
+
+    // TODO(explicit on SQL Server): written next, in the SQL Server twin.
+    async fn explicit_start(&mut self, _run: &NewRun) -> Result<ExplicitRun> {
+        Err(not_yet())
+    }
+
+    async fn explicit_enqueue(&mut self, _chunk: &ExplicitChunk) -> Result<()> {
+        Err(not_yet())
+    }
+
+    async fn explicit_pending(
+        &mut self,
+        _group: &str,
+        _topic: &str,
+        _partition: u32,
+        _limit: i64,
+    ) -> Result<Vec<ExplicitItem>> {
+        Ok(vec![])
+    }
+
+    async fn explicit_runs(
+        &mut self,
+        _group: &str,
+        _recent: i64,
+    ) -> Result<Vec<ExplicitRunStatus>> {
+        Ok(vec![])
+    }
+
+    async fn explicit_run(&mut self, _id: i64) -> Result<Option<ExplicitRunStatus>> {
+        Err(not_yet())
     }
 }
 

@@ -376,6 +376,12 @@ pub struct ExtractorConfig {
     /// refuses TRUNCATE on a table with CDC enabled).
     #[serde(default)]
     pub on_truncate: OnTruncate,
+    /// On the very first start (no marker yet: a new slot, or a new CDC
+    /// start point), publish every aggregate of every entity that already
+    /// exists: an explicit run per entity (`skein explicit`), started
+    /// beside the stream and resumed by the next start if cut short.
+    #[serde(default)]
+    pub initial_load: bool,
 }
 
 /// `extractor.on_truncate`.
@@ -414,6 +420,7 @@ impl Default for ExtractorConfig {
             max_batch_wait_ms: DEFAULT_MAX_BATCH_WAIT_MS,
             retention_warn_fraction: DEFAULT_RETENTION_WARN_FRACTION,
             on_truncate: OnTruncate::default(),
+            initial_load: false,
         }
     }
 }

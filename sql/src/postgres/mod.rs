@@ -22,7 +22,7 @@ use crate::catalog::{Catalog, ColumnInfo, TableInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
-pub const SIDECAR_SCHEMA_VERSION: i32 = 5;
+pub const SIDECAR_SCHEMA_VERSION: i32 = 6;
 
 /// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
@@ -373,6 +373,38 @@ CREATE TABLE IF NOT EXISTS {s}."outbox" (
 CREATE INDEX IF NOT EXISTS "outbox_pending" ON {s}."outbox" ("id") WHERE "dequeued_at" IS NULL;
 CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON {s}."outbox" ("entity", "key", "id");
 
+-- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A
+-- run selects root keys of an entity and queues them a chunk per transaction,
+-- with its cursor (the last key or index queued): a killed run resumes after
+-- it. Each partition's applier takes its queued keys, publishes them in its
+-- own fenced batch transaction and deletes them there: exactly once, and in
+-- order with the stream of that partition.
+CREATE TABLE IF NOT EXISTS {s}."explicit_run" (
+  "id"         bigserial   PRIMARY KEY,
+  "group_name" text        NOT NULL,
+  "entity"     text        NOT NULL,
+  "selection"  text        NOT NULL,
+  "republish"  boolean     NOT NULL DEFAULT false,
+  "initial"    boolean     NOT NULL DEFAULT false,
+  "state"      text        NOT NULL DEFAULT 'selecting',
+  "cursor"     text,
+  "queued"     bigint      NOT NULL DEFAULT 0,
+  "created_at" timestamptz NOT NULL DEFAULT now(),
+  "updated_at" timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS {s}."explicit_queue" (
+  "id"         bigserial   PRIMARY KEY,
+  "run_id"     bigint      NOT NULL REFERENCES {s}."explicit_run" ("id"),
+  "group_name" text        NOT NULL,
+  "topic"      text        NOT NULL,
+  "partition"  integer     NOT NULL,
+  "entity"     text        NOT NULL,
+  "key"        text        NOT NULL,
+  "republish"  boolean     NOT NULL DEFAULT false
+);
+CREATE INDEX IF NOT EXISTS "explicit_queue_partition" ON {s}."explicit_queue" ("group_name", "topic", "partition", "id");
+CREATE INDEX IF NOT EXISTS "explicit_queue_run" ON {s}."explicit_queue" ("run_id");
+
 INSERT INTO {s}."schema_version" ("version") VALUES ({v}) ON CONFLICT DO NOTHING;
 "#,
         v = SIDECAR_SCHEMA_VERSION
@@ -495,6 +527,52 @@ pub fn referenced_columns(nodes: &[TableNode], index: usize) -> Vec<String> {
         .flat_map(|c| c.on.iter().map(|o| o.to_column.clone()))
         .collect();
     set.into_iter().collect()
+}
+
+/// A page of root keys for `skein explicit` (`extractor.initial_load`):
+/// the keys of the entity's root, each column as the text the source
+/// prints (what the change stream and hydration use), in key order, at
+/// most `$n+1` of them (`$n+1` is an `int8` after the `n` key columns).
+///
+/// `filter`, when given, is the operator's SQL condition on the root row
+/// (alias `t0`, columns unqualified resolve to it). With `after` the page
+/// starts after the key whose column texts are `$1…$n` (a row comparison
+/// in the columns' own types, so the key index serves it).
+pub fn explicit_keys_sql(
+    root: &TableNode,
+    catalog: &Catalog,
+    filter: Option<&str>,
+    after: bool,
+) -> String {
+    let key = catalog.key_columns(root);
+    let cols: Vec<String> = key.iter().map(|c| format!("t0.{}::text", qi(c))).collect();
+    let mut conds: Vec<String> = vec![];
+    if let Some(f) = filter {
+        conds.push(format!("({f})"));
+    }
+    if after {
+        let lhs: Vec<String> = key.iter().map(|c| format!("t0.{}", qi(c))).collect();
+        let rhs: Vec<String> = key
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("${}::text::{}", i + 1, cast_type(catalog, root, c)))
+            .collect();
+        conds.push(format!("({}) > ({})", lhs.join(", "), rhs.join(", ")));
+    }
+    let order: Vec<String> = key.iter().map(|c| format!("t0.{}", qi(c))).collect();
+    format!(
+        "SELECT {cols}\nFROM {schema}.{table} AS t0\n{where_}ORDER BY {order}\nLIMIT ${limit}",
+        cols = cols.join(", "),
+        schema = qi(&root.schema),
+        table = qi(&root.table),
+        where_ = if conds.is_empty() {
+            String::new()
+        } else {
+            format!("WHERE {}\n", conds.join(" AND "))
+        },
+        order = order.join(", "),
+        limit = if after { key.len() + 1 } else { 1 },
+    )
 }
 
 /// Taken first in a batch's hydration snapshot, before the snapshot

@@ -294,3 +294,116 @@ pub fn forget_versions_sql(schema: &str) -> String {
         qi(schema)
     )
 }
+
+/// The unfinished explicit run of `$1` group, `$2` entity, `$3` selection
+/// (its JSON text), `$4` republish, `$5` initial load, if any: the one a
+/// repeated command resumes. Columns: id, cursor, queued.
+pub fn explicit_find_sql(schema: &str) -> String {
+    format!(
+        "SELECT id, \"cursor\", queued FROM {}.\"explicit_run\" WHERE group_name = $1 AND entity = $2 \
+         AND selection = $3 AND republish = $4 AND initial = $5 AND state = 'selecting' ORDER BY id LIMIT 1",
+        qi(schema)
+    )
+}
+
+/// A new explicit run (`$1`…`$5` as [`explicit_find_sql`]), returning its id.
+pub fn explicit_insert_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"explicit_run\" (group_name, entity, selection, republish, initial) \
+         VALUES ($1, $2, $3, $4, $5) RETURNING id",
+        qi(schema)
+    )
+}
+
+/// Moves run `$1`'s cursor from `$2` to `$3`, adds `$4` to what it queued
+/// and sets its state `$5`; affects 0 rows when the cursor moved meanwhile
+/// (another process runs it) or the run ended.
+pub fn explicit_advance_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.\"explicit_run\" SET \"cursor\" = $3, queued = queued + $4, state = $5, \
+         updated_at = now() WHERE id = $1 AND \"cursor\" IS NOT DISTINCT FROM $2 AND state = 'selecting'",
+        qi(schema)
+    )
+}
+
+/// Queues keys of run `$1` (`$2` group, `$3` topic, `$4` entity, `$5`
+/// republish) from the parallel arrays `$6` partitions and `$7` canonical
+/// keys, in array order.
+pub fn explicit_enqueue_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"explicit_queue\" (run_id, group_name, topic, partition, entity, key, republish) \
+         SELECT $1, $2, $3, u.p, $4, u.k, $5 FROM unnest($6::int4[], $7::text[]) WITH ORDINALITY AS u(p, k, ord) \
+         ORDER BY u.ord",
+        qi(schema)
+    )
+}
+
+/// At most `$4` queued keys of partition `$3` of `$1` group on `$2` topic,
+/// oldest first. Columns: id, entity, key, republish.
+pub fn explicit_pending_sql(schema: &str) -> String {
+    format!(
+        "SELECT id, entity, key, republish FROM {}.\"explicit_queue\" \
+         WHERE group_name = $1 AND topic = $2 AND partition = $3 ORDER BY id LIMIT $4",
+        qi(schema)
+    )
+}
+
+/// Takes the queued keys in the array `$1` off the queue, inside the batch
+/// transaction that published them; fewer rows than ids means another
+/// applier did.
+pub fn explicit_done_sql(schema: &str) -> String {
+    format!(
+        "DELETE FROM {}.\"explicit_queue\" WHERE id = ANY($1)",
+        qi(schema)
+    )
+}
+
+/// A partition with no progress row yet has nothing to lock: an explicit
+/// batch inserts the first row and deletes it again in its transaction
+/// (`$1` group, `$2` topic, `$3` partition), so a concurrent first commit
+/// of the stream waits for it, and it is fenced (0 rows) by one that
+/// committed first.
+pub fn lock_absent_progress_sql(schema: &str) -> [String; 2] {
+    let s = qi(schema);
+    [
+        format!(
+            "INSERT INTO {s}.\"progress\" (group_name, topic, partition, position) \
+             VALUES ($1, $2, $3, 0) ON CONFLICT DO NOTHING"
+        ),
+        format!(
+            "DELETE FROM {s}.\"progress\" WHERE group_name = $1 AND topic = $2 AND partition = $3"
+        ),
+    ]
+}
+
+/// What [`explicit_runs_sql`] and [`explicit_run_sql`] read of a run.
+/// Columns: id, entity, selection, republish, initial, state, cursor,
+/// queued, pending (keys still queued), created_at and updated_at (ISO 8601
+/// texts).
+fn explicit_run_select(s: &str) -> String {
+    format!(
+        "SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r.\"cursor\", r.queued, \
+         (SELECT count(*) FROM {s}.\"explicit_queue\" q WHERE q.run_id = r.id), \
+         to_char(r.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), \
+         to_char(r.updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
+         FROM {s}.\"explicit_run\" r"
+    )
+}
+
+/// The explicit runs of `$1` group: every unfinished one and the last `$2`
+/// others, newest first. Columns as [`explicit_run_select`].
+pub fn explicit_runs_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "{} WHERE r.group_name = $1 AND (r.state = 'selecting' \
+         OR EXISTS (SELECT 1 FROM {s}.\"explicit_queue\" q WHERE q.run_id = r.id) \
+         OR r.id IN (SELECT id FROM {s}.\"explicit_run\" WHERE group_name = $1 ORDER BY id DESC LIMIT $2)) \
+         ORDER BY r.id DESC",
+        explicit_run_select(&s)
+    )
+}
+
+/// Explicit run `$1`. Columns as [`explicit_run_select`].
+pub fn explicit_run_sql(schema: &str) -> String {
+    format!("{} WHERE r.id = $1", explicit_run_select(&qi(schema)))
+}

@@ -38,3 +38,23 @@ SELECT k.ord, json_build_array(t."customer_id"::text)::text AS vals
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS k(v0, v1, ord)
 JOIN "public"."contact" t ON t."customer_id" = k.v0::integer AND t."kind" = k.v1::text
 ORDER BY k.ord;
+
+-- explicit: root keys, all, first page
+SELECT t0."id"::text
+FROM "public"."customer" AS t0
+ORDER BY t0."id"
+LIMIT $1;
+
+-- explicit: root keys, all, after a key
+SELECT t0."id"::text
+FROM "public"."customer" AS t0
+WHERE (t0."id") > ($1::text::integer)
+ORDER BY t0."id"
+LIMIT $2;
+
+-- explicit: root keys, --where, after a key
+SELECT t0."id"::text
+FROM "public"."customer" AS t0
+WHERE (region = 'EU') AND (t0."id") > ($1::text::integer)
+ORDER BY t0."id"
+LIMIT $2;

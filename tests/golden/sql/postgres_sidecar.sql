@@ -1,4 +1,4 @@
--- skein sidecar schema, version 5.
+-- skein sidecar schema, version 6.
 CREATE SCHEMA IF NOT EXISTS "skein";
 
 CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
@@ -115,4 +115,36 @@ CREATE TABLE IF NOT EXISTS "skein"."outbox" (
 CREATE INDEX IF NOT EXISTS "outbox_pending" ON "skein"."outbox" ("id") WHERE "dequeued_at" IS NULL;
 CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox" ("entity", "key", "id");
 
-INSERT INTO "skein"."schema_version" ("version") VALUES (5) ON CONFLICT DO NOTHING;
+-- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A
+-- run selects root keys of an entity and queues them a chunk per transaction,
+-- with its cursor (the last key or index queued): a killed run resumes after
+-- it. Each partition's applier takes its queued keys, publishes them in its
+-- own fenced batch transaction and deletes them there: exactly once, and in
+-- order with the stream of that partition.
+CREATE TABLE IF NOT EXISTS "skein"."explicit_run" (
+  "id"         bigserial   PRIMARY KEY,
+  "group_name" text        NOT NULL,
+  "entity"     text        NOT NULL,
+  "selection"  text        NOT NULL,
+  "republish"  boolean     NOT NULL DEFAULT false,
+  "initial"    boolean     NOT NULL DEFAULT false,
+  "state"      text        NOT NULL DEFAULT 'selecting',
+  "cursor"     text,
+  "queued"     bigint      NOT NULL DEFAULT 0,
+  "created_at" timestamptz NOT NULL DEFAULT now(),
+  "updated_at" timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS "skein"."explicit_queue" (
+  "id"         bigserial   PRIMARY KEY,
+  "run_id"     bigint      NOT NULL REFERENCES "skein"."explicit_run" ("id"),
+  "group_name" text        NOT NULL,
+  "topic"      text        NOT NULL,
+  "partition"  integer     NOT NULL,
+  "entity"     text        NOT NULL,
+  "key"        text        NOT NULL,
+  "republish"  boolean     NOT NULL DEFAULT false
+);
+CREATE INDEX IF NOT EXISTS "explicit_queue_partition" ON "skein"."explicit_queue" ("group_name", "topic", "partition", "id");
+CREATE INDEX IF NOT EXISTS "explicit_queue_run" ON "skein"."explicit_queue" ("run_id");
+
+INSERT INTO "skein"."schema_version" ("version") VALUES (6) ON CONFLICT DO NOTHING;

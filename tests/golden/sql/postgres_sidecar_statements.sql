@@ -82,3 +82,33 @@ UPDATE "skein"."progress" SET position = $5::int8, source_commit = NULL, source_
 
 -- replay --republish: forget versions
 DELETE FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);
+
+-- explicit: the unfinished run to resume
+SELECT id, "cursor", queued FROM "skein"."explicit_run" WHERE group_name = $1 AND entity = $2 AND selection = $3 AND republish = $4 AND initial = $5 AND state = 'selecting' ORDER BY id LIMIT 1;
+
+-- explicit: a new run
+INSERT INTO "skein"."explicit_run" (group_name, entity, selection, republish, initial) VALUES ($1, $2, $3, $4, $5) RETURNING id;
+
+-- explicit chunk 1: move the cursor
+UPDATE "skein"."explicit_run" SET "cursor" = $3, queued = queued + $4, state = $5, updated_at = now() WHERE id = $1 AND "cursor" IS NOT DISTINCT FROM $2 AND state = 'selecting';
+
+-- explicit chunk 2: queue keys
+INSERT INTO "skein"."explicit_queue" (run_id, group_name, topic, partition, entity, key, republish) SELECT $1, $2, $3, u.p, $4, u.k, $5 FROM unnest($6::int4[], $7::text[]) WITH ORDINALITY AS u(p, k, ord) ORDER BY u.ord;
+
+-- explicit: a partition's queued keys
+SELECT id, entity, key, republish FROM "skein"."explicit_queue" WHERE group_name = $1 AND topic = $2 AND partition = $3 ORDER BY id LIMIT $4;
+
+-- batch transaction 1c: explicit keys before the first progress, lock
+INSERT INTO "skein"."progress" (group_name, topic, partition, position) VALUES ($1, $2, $3, 0) ON CONFLICT DO NOTHING;
+
+-- batch transaction 1c: explicit keys before the first progress, unlock
+DELETE FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
+
+-- batch transaction 5: explicit keys off the queue
+DELETE FROM "skein"."explicit_queue" WHERE id = ANY($1);
+
+-- status: explicit runs
+SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor", r.queued, (SELECT count(*) FROM "skein"."explicit_queue" q WHERE q.run_id = r.id), to_char(r.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), to_char(r.updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') FROM "skein"."explicit_run" r WHERE r.group_name = $1 AND (r.state = 'selecting' OR EXISTS (SELECT 1 FROM "skein"."explicit_queue" q WHERE q.run_id = r.id) OR r.id IN (SELECT id FROM "skein"."explicit_run" WHERE group_name = $1 ORDER BY id DESC LIMIT $2)) ORDER BY r.id DESC;
+
+-- explicit: one run
+SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor", r.queued, (SELECT count(*) FROM "skein"."explicit_queue" q WHERE q.run_id = r.id), to_char(r.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), to_char(r.updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') FROM "skein"."explicit_run" r WHERE r.id = $1;

@@ -1,4 +1,4 @@
--- skein sidecar schema (T-SQL), version 5.
+-- skein sidecar schema (T-SQL), version 6.
 IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
 
 IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
@@ -93,5 +93,5 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND obje
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
     CREATE INDEX [outbox_entity_key] ON [skein].[outbox] ([entity], [key], [id]);
 
-IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 5)
-    INSERT INTO [skein].[schema_version] ([version]) VALUES (5);
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 6)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (6);
