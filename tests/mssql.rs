@@ -276,6 +276,14 @@ impl MsEnv {
         }
     }
 
+    /// Starts `skein run`, waits until everything committed so far is
+    /// published, and stops it.
+    async fn run_until_settled(&mut self) {
+        let mut run = self.start();
+        self.settle(&mut run).await;
+        self.stop(run);
+    }
+
     /// File-sink events, sentinel left out, `source` as on PostgreSQL.
     fn events(&self) -> Vec<Value> {
         let sent = std::fs::read_to_string(self.dir.join("events.jsonl"))
@@ -412,9 +420,7 @@ async fn mssql_create_update_with_upcoming_delete_publishes_only_the_delete() {
         .await;
     env.exec("DELETE FROM dbo.customer WHERE id = 1;").await;
     env.wait_captured().await;
-    let mut run = env.start();
-    env.settle(&mut run).await;
-    env.stop(run);
+    env.run_until_settled().await;
     assert_golden("upcoming_delete", &env.events());
 }
 
@@ -646,9 +652,7 @@ async fn mssql_crash_between_outbox_and_progress_publishes_nothing_twice() {
         assert!(Instant::now() < deadline, "the failpoint did not fire");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut run = env.start();
-    env.settle(&mut run).await;
-    env.stop(run);
+    env.run_until_settled().await;
     let names: Vec<Value> = env
         .events()
         .iter()
@@ -684,9 +688,7 @@ fn large_transaction() -> String {
 #[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
 async fn mssql_a_large_transaction_goes_in_parts_and_resumes_after_a_crash() {
     let mut env = MsEnv::small_batches("large_tx", 20).await;
-    let mut run = env.start();
-    env.settle(&mut run).await;
-    env.stop(run);
+    env.run_until_settled().await;
     let mut crashing = env.start_with(Some("extractor.after_part_marker:2"));
     env.exec(&large_transaction()).await;
     let deadline = Instant::now() + Duration::from_secs(90);
@@ -704,9 +706,7 @@ async fn mssql_a_large_transaction_goes_in_parts_and_resumes_after_a_crash() {
         marker.contains("in flight: 40 changes") && marker.contains("__$seqval 0x"),
         "{marker}"
     );
-    let mut run = env.start();
-    env.settle(&mut run).await;
-    env.stop(run);
+    env.run_until_settled().await;
     let log = env.log();
     assert!(log.contains("handing it over in parts"), "{log}");
     assert!(
@@ -733,6 +733,32 @@ async fn mssql_a_large_transaction_goes_in_parts_and_resumes_after_a_crash() {
             "{e}"
         );
     }
+    env.assert_exactly_once().await;
+}
+
+/// DDL committed just before a transaction handed over in parts is in the
+/// window of each of its parts: it is followed (and logged) once, not once
+/// per part.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs SQL Server: set SKEIN_TEST_MSSQL_URL, run scripts/test-mssql"]
+async fn mssql_ddl_before_a_large_transaction_is_followed_once() {
+    let mut env = MsEnv::small_batches("large_tx_ddl", 20).await;
+    env.run_until_settled().await;
+    env.exec("ALTER TABLE dbo.customer ADD tier nvarchar(20) NULL;")
+        .await;
+    env.exec(&large_transaction()).await;
+    env.run_until_settled().await;
+    let log = env.log();
+    assert_eq!(acked_parts(&log), [20, 40], "{log}");
+    let followed = log
+        .lines()
+        .filter(|l| {
+            l.contains("DDL on a tracked table changes nothing skein reads")
+                || l.contains("resolution follows it")
+        })
+        .count();
+    assert_eq!(followed, 1, "the DDL is followed once:\n{log}");
+    assert_eq!(env.events().len(), 30, "one event per customer");
     env.assert_exactly_once().await;
 }
 
@@ -820,9 +846,7 @@ async fn mssql_commit_times_keep_their_own_dst_offset() {
          WHERE c.[id] IN (1, 2);",
     )
     .await;
-    let mut run = env.start();
-    env.settle(&mut run).await;
-    env.stop(run);
+    env.run_until_settled().await;
     let time = |subject: &str| {
         env.events()
             .iter()
@@ -906,9 +930,7 @@ async fn mssql_an_old_unread_change_warns_before_cleanup_removes_it() {
         source["unread_age_seconds"].as_i64().unwrap() >= 110,
         "{source}"
     );
-    let mut run = env.start();
-    env.settle(&mut run).await;
-    env.stop(run);
+    env.run_until_settled().await;
     assert!(
         env.log()
             .contains("of the CDC cleanup job's retention (2 minutes)"),

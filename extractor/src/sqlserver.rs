@@ -383,10 +383,17 @@ pub struct PartCursor {
     /// Of those, the tracked ones ([`crate::resolve::is_tracked`]): the
     /// next part's records number on from here.
     pub tracked: u32,
+    /// Whether this process has followed the DDL committed in the window
+    /// `(lower, lsn]` ([`MssqlSource::follow_ddl`]). The window is the
+    /// same for every part, so `cdc.ddl_history` is read with the first
+    /// (the window's sizing reads it) and after a restart (the catalog read
+    /// at connect time may predate that DDL), not again for each part.
+    pub ddl_followed: bool,
 }
 
 impl PartCursor {
-    /// The first part of the transaction at `lsn`.
+    /// The first part of the transaction at `lsn`, found by sizing the
+    /// window `(lower, lsn]`, whose DDL is followed with that.
     pub fn first(lower: SqlServerLsn, lsn: SqlServerLsn) -> PartCursor {
         PartCursor {
             lower,
@@ -394,6 +401,7 @@ impl PartCursor {
             after: None,
             changes: 0,
             tracked: 0,
+            ddl_followed: true,
         }
     }
 
@@ -430,11 +438,13 @@ impl PartCursor {
             after: Some(after),
             changes: f.changes,
             tracked,
+            ddl_followed: false,
         })
     }
 
     /// The cursor after a part of `changes` changes, `tracked` of them
-    /// tracked, the last at `__$seqval` `last`.
+    /// tracked, the last at `__$seqval` `last` (a part is read only after
+    /// the window's DDL was followed).
     pub fn after_part(
         &self,
         last: Option<SqlServerLsn>,
@@ -445,6 +455,7 @@ impl PartCursor {
             after: last.or(self.after),
             changes: self.changes + changes as u64,
             tracked: self.tracked.saturating_add(tracked),
+            ddl_followed: true,
             ..*self
         }
     }
@@ -1613,10 +1624,14 @@ impl ChangeSource for MssqlSource {
             .map_err(|e| Error::Decode(e.to_string()))?;
         if let Some(p) = self.part.filter(|p| p.lower == lower) {
             // The next part of the transaction in flight: no waiting, no
-            // sizing; the window is still `(lower, p.lsn]`.
+            // sizing; the window is still `(lower, p.lsn]`. Cleanup may
+            // have run since the last part; DDL in the window was
+            // followed already, unless this process just started.
             let reads = self.plan(lower).await?;
             self.check_retention(Some(p.lsn)).await?;
-            self.follow_ddl(lower, p.lsn).await?;
+            if !p.ddl_followed {
+                self.follow_ddl(lower, p.lsn).await?;
+            }
             return self.part_batch(p, &reads, limits).await;
         }
         self.part = None;
@@ -2189,6 +2204,50 @@ mod tests {
         );
     }
 
+    /// `cdc.ddl_history` (and the catalog, when it holds DDL) is read once
+    /// for a transaction handed over in parts, and once more per restart
+    /// in it, not once per part: the window `(lower, lsn]` is the same for
+    /// all of them. Counted as `next_batch` reads it: the window's sizing
+    /// before the first part, then the part branch when the cursor has not
+    /// followed the window's DDL.
+    #[test]
+    fn ddl_history_is_read_once_per_transaction_and_once_per_restart() {
+        let instances = recorded();
+        for n in [2, 3, 4] {
+            for restarts in [vec![], vec![1], vec![1, 2]] {
+                let mut ddl_reads = 1;
+                let mut p = PartCursor::first(lsn(1), lsn(5));
+                let mut parts = 0;
+                loop {
+                    if !p.ddl_followed {
+                        ddl_reads += 1;
+                    }
+                    let part = read_part(&instances, &p, n);
+                    parts += 1;
+                    let next = p.after_part(
+                        part.changes.last().map(|(_, c)| c.seqval),
+                        part.changes.len(),
+                        part.changes.len() as u32,
+                    );
+                    if part.last {
+                        break;
+                    }
+                    p = if restarts.contains(&parts) {
+                        PartCursor::resume(lsn(1).into(), &next.in_flight()).unwrap()
+                    } else {
+                        next
+                    };
+                }
+                assert!(parts >= 4, "n = {n}: {parts} parts");
+                assert_eq!(
+                    ddl_reads,
+                    1 + restarts.len(),
+                    "n = {n}: {parts} parts, restarts after parts {restarts:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn the_rows_of_one_seqval_stay_together_across_instances() {
         // Two instances with a row at one seqval each (never seen on a real
@@ -2226,6 +2285,7 @@ mod tests {
             after: Some(lsn(8)),
             changes: 7,
             tracked: 6,
+            ddl_followed: false,
         };
         let f = p.in_flight();
         assert_eq!((f.commit, f.end), (lsn(5).into(), lsn(5).into()));
