@@ -461,6 +461,40 @@ impl PartCursor {
     }
 }
 
+/// Refuses a transaction in flight past `max`, the end of what CDC holds
+/// (`sys.fn_cdc_get_max_lsn()`): the change functions refuse a range
+/// beyond it, so reading on would fail the same way on every restart.
+/// The database is not the one the marker was written for, or was
+/// restored from a backup older than the transaction.
+pub fn in_flight_past_max(p: &PartCursor, max: SqlServerLsn) -> Result<()> {
+    if p.lsn <= max {
+        return Ok(());
+    }
+    // Never forward: nothing is skipped that the database holds.
+    let to = p.lower.min(max);
+    Err(Error::NotReady {
+        message: format!(
+            "the marker holds part of the transaction at {} (handed over up to __$seqval {}), \
+             but CDC in this database ends at {max} (sys.fn_cdc_get_max_lsn()): it is not the \
+             database the marker was written for, or it was restored from a backup older than \
+             that transaction",
+            p.lsn,
+            describe_cursor(p)
+        ),
+        fix: format!(
+            "if state_dir belongs to another database, give this source its own state_dir. \
+             Otherwise forget the transaction in flight and read on from what this database \
+             holds:\n  skein marker reset --to {to}\n(events already published for changes past \
+             {max} are not undone)"
+        ),
+    })
+}
+
+/// The stored `__$seqval` of a cursor, for messages.
+fn describe_cursor(p: &PartCursor) -> String {
+    p.after.map_or_else(|| "none".into(), |s| s.to_string())
+}
+
 /// Whether an instance read as `read` gives changes at `lsn` (two
 /// instances of one table never both do, [`plan_reads`]).
 pub fn covers(read: &InstanceRead, lsn: SqlServerLsn) -> bool {
@@ -1310,6 +1344,12 @@ impl MssqlSource {
         })
     }
 
+    /// Before a restart reads on after the stored `__$seqval`: the
+    /// transaction is within what CDC holds ([`in_flight_past_max`]).
+    async fn check_resume(&mut self, p: &PartCursor) -> Result<()> {
+        in_flight_past_max(p, self.max_lsn().await?)
+    }
+
     /// Where each instance is read in the batch after `lower`, every
     /// instance in order; cleanup may have run since the last batch, so a
     /// loss stops here.
@@ -1600,17 +1640,21 @@ impl ChangeSource for MssqlSource {
     }
 
     async fn start(&mut self, from: SourcePosition, in_flight: Option<InFlight>) -> Result<()> {
-        // A transaction handed over in part: read on after the last
-        // `__$seqval` handed over, none of what was handed over again.
-        self.part = in_flight
-            .map(|f| PartCursor::resume(from, &f))
-            .transpose()
-            .map_err(|message| Error::NotReady {
-                message,
-                fix: "give this source its own state_dir".into(),
-            })?;
-        // Nothing else is held open between batches: each one is a set of
+        self.part = None;
+        // Nothing is held open between batches: each one is a set of
         // queries.
+        let Some(f) = in_flight else {
+            return Ok(());
+        };
+        // A transaction handed over in part: read on after the last
+        // `__$seqval` handed over, none of what was handed over again,
+        // once the server and the config are seen to allow it.
+        let p = PartCursor::resume(from, &f).map_err(|message| Error::NotReady {
+            message,
+            fix: "give this source its own state_dir".into(),
+        })?;
+        self.check_resume(&p).await?;
+        self.part = Some(p);
         Ok(())
     }
 
@@ -2303,6 +2347,37 @@ mod tests {
         assert!(PartCursor::resume(lsn(1).into(), &InFlight { seqval: None, ..f }).is_err());
         // Not after the marker's position.
         assert!(PartCursor::resume(lsn(5).into(), &f).is_err());
+    }
+
+    /// A transaction in flight past what CDC holds now (a database
+    /// restored from a backup older than it) would fail the change
+    /// functions' argument check on every restart: it stops once, with
+    /// the LSNs and the reset that goes on.
+    #[test]
+    fn a_transaction_in_flight_past_the_max_lsn_stops_with_the_reset() {
+        let rows = recorded();
+        let parts = all_parts(&rows, PartCursor::first(lsn(1), lsn(5)), 4, false);
+        let at = PartCursor::resume(lsn(1).into(), &parts[0].1.in_flight()).unwrap();
+        let max = rows.iter().flatten().map(|r| r.start_lsn).max().unwrap();
+        assert!(in_flight_past_max(&at, max).is_ok());
+        assert!(in_flight_past_max(&at, lsn(5)).is_ok());
+        let e = in_flight_past_max(&at, lsn(4)).unwrap_err().to_string();
+        assert!(
+            e.contains("0x00000000000000000005")
+                && e.contains("ends at 0x00000000000000000004")
+                && e.contains("skein marker reset --to 0x00000000000000000001"),
+            "{e}"
+        );
+        // The marker past that end too: the reset goes back to it.
+        let behind = PartCursor {
+            lower: lsn(3),
+            ..at
+        };
+        let e = in_flight_past_max(&behind, lsn(2)).unwrap_err().to_string();
+        assert!(
+            e.contains("skein marker reset --to 0x00000000000000000002\n"),
+            "{e}"
+        );
     }
 
     /// Records of a transaction resolved in parts, each numbered on from
