@@ -461,6 +461,20 @@ impl PartCursor {
     }
 }
 
+/// What one capture instance read now holds of the window `(lower, lsn]`
+/// of a transaction in flight, asked at a restart ([`check_in_flight`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AtResume {
+    /// The capture instance.
+    pub name: String,
+    /// Its first change after the marker, up to the transaction's commit
+    /// LSN (`None`: none).
+    pub first: Option<SqlServerLsn>,
+    /// Its changes of the transaction up to the stored `__$seqval`, an
+    /// update counted once (as [`PartCursor::changes`] counts them).
+    pub handed: u64,
+}
+
 /// Refuses a transaction in flight past `max`, the end of what CDC holds
 /// (`sys.fn_cdc_get_max_lsn()`): the change functions refuse a range
 /// beyond it, so reading on would fail the same way on every restart.
@@ -486,6 +500,68 @@ pub fn in_flight_past_max(p: &PartCursor, max: SqlServerLsn) -> Result<()> {
              Otherwise forget the transaction in flight and read on from what this database \
              holds:\n  skein marker reset --to {to}\n(events already published for changes past \
              {max} are not undone)"
+        ),
+    })
+}
+
+/// Refuses to read on after the stored `__$seqval` when that would skip
+/// changes of the capture instances read now (`now`, each with what it
+/// holds of the window, [`AtResume`]): the config changed (a table
+/// added whose capture instance was there, `source.capture_instances`)
+/// while the transaction was handed over in parts. The parts never size
+/// the window again, so an instance not read before would lose its
+/// changes between the marker and the transaction, and those of the
+/// transaction up to the cursor. Either shows here: a change before the
+/// transaction, or more changes of it up to the cursor than were handed
+/// over. (Fewer is a table no longer read: its records stay counted in
+/// [`PartCursor::tracked`], and reading on is right.)
+///
+/// Reading the transaction again from its start instead would not be
+/// lossless: the appliers that applied a part have stored a source
+/// position past the changes before it, and drop them as re-sent.
+pub fn check_in_flight(p: &PartCursor, now: &[AtResume]) -> Result<()> {
+    let before = now
+        .iter()
+        .filter_map(|a| a.first.filter(|f| *f < p.lsn).map(|f| (a, f)))
+        .min_by_key(|(_, f)| *f);
+    let held: u64 = now.iter().map(|a| a.handed).sum();
+    let message = match before {
+        Some((a, first)) => format!(
+            "capture instance `{}` has changes at {first}, after the marker at {} and before the \
+             transaction in flight at {} (handed over up to __$seqval {})",
+            a.name,
+            p.lower,
+            p.lsn,
+            describe_cursor(p)
+        ),
+        None if held > p.changes => format!(
+            "the capture instances read now hold {held} changes of the transaction in flight at \
+             {} up to the stored __$seqval {} ({}), but {} were handed over",
+            p.lsn,
+            describe_cursor(p),
+            now.iter()
+                .map(|a| format!("{}: {}", a.name, a.handed))
+                .collect::<Vec<_>>()
+                .join(", "),
+            p.changes
+        ),
+        None => return Ok(()),
+    };
+    Err(Error::NotReady {
+        message: format!(
+            "{message}: the config (a table added, or source.capture_instances) changed while that \
+             transaction was handed over in parts, and reading on after that __$seqval would \
+             skip the changes of capture instances not read before"
+        ),
+        fix: format!(
+            "start once more with the previous config until `skein marker show` shows nothing in \
+             flight, then with this one (the changes up to {lsn} of a table read only now are then \
+             not read, as for a table added after them). Or read the transaction again from its \
+             start with this config:\n  skein marker reset --to {lower}\n(appliers that applied \
+             part of it drop changes positioned before what they applied, so some of those \
+             changes may still not be published)",
+            lsn = p.lsn,
+            lower = p.lower,
         ),
     })
 }
@@ -1345,9 +1421,66 @@ impl MssqlSource {
     }
 
     /// Before a restart reads on after the stored `__$seqval`: the
-    /// transaction is within what CDC holds ([`in_flight_past_max`]).
+    /// transaction is within what CDC holds ([`in_flight_past_max`]), and
+    /// the capture instances read now hold nothing after the marker that
+    /// reading on would skip ([`check_in_flight`]). Two queries per
+    /// instance, once per start.
     async fn check_resume(&mut self, p: &PartCursor) -> Result<()> {
-        in_flight_past_max(p, self.max_lsn().await?)
+        in_flight_past_max(p, self.max_lsn().await?)?;
+        let reads = self.plan(p.lower).await?;
+        let (lsn, after) = (
+            p.lsn.0.to_vec(),
+            p.after.unwrap_or(SqlServerLsn::ZERO).0.to_vec(),
+        );
+        let mut now = Vec::with_capacity(reads.len());
+        for (ii, inst) in self.instances.clone().iter().enumerate() {
+            // This instance alone, in its range up to the transaction.
+            let alone: Vec<InstanceRead> = reads
+                .iter()
+                .enumerate()
+                .map(|(j, r)| InstanceRead {
+                    coverage: if j == ii {
+                        r.coverage
+                    } else {
+                        Coverage::Finished
+                    },
+                    ..r.clone()
+                })
+                .collect();
+            let first = self
+                .first_change_lsns(&alone, p.lsn, 0)
+                .await?
+                .first()
+                .copied();
+            let handed = if covers(&reads[ii], p.lsn) {
+                let rows = self
+                    .client
+                    .query(
+                        &format!(
+                            "counting what {} holds of the transaction in flight",
+                            inst.name
+                        ),
+                        &skein_sql::sqlserver::handed_over_sql(&inst.name),
+                        &[&lsn, &after],
+                    )
+                    .await?;
+                let n = int_of(
+                    rows.first()
+                        .and_then(|r| r.first())
+                        .unwrap_or(&SqlValue::Null),
+                    "COUNT_BIG(*)",
+                )?;
+                u64::try_from(n).unwrap_or(0)
+            } else {
+                0
+            };
+            now.push(AtResume {
+                name: inst.name.clone(),
+                first,
+                handed,
+            });
+        }
+        check_in_flight(p, &now)
     }
 
     /// Where each instance is read in the batch after `lower`, every
@@ -2347,6 +2480,114 @@ mod tests {
         assert!(PartCursor::resume(lsn(1).into(), &InFlight { seqval: None, ..f }).is_err());
         // Not after the marker's position.
         assert!(PartCursor::resume(lsn(5).into(), &f).is_err());
+    }
+
+    /// What a restart asks recorded instances (name, rows) about the
+    /// window of the transaction in flight `p`, as `check_resume` asks
+    /// the server.
+    fn at_resume(instances: &[(&str, Vec<CdcRow>)], p: &PartCursor) -> Vec<AtResume> {
+        instances
+            .iter()
+            .map(|(name, rows)| AtResume {
+                name: name.to_string(),
+                first: rows
+                    .iter()
+                    .map(|r| r.start_lsn)
+                    .filter(|l| *l > p.lower && *l <= p.lsn)
+                    .min(),
+                handed: rows
+                    .iter()
+                    .filter(|r| {
+                        r.start_lsn == p.lsn && Some(r.seqval) <= p.after && r.operation != 4
+                    })
+                    .count() as u64,
+            })
+            .collect()
+    }
+
+    fn by_position(changes: impl IntoIterator<Item = CdcChange>) -> Vec<CdcChange> {
+        let mut v: Vec<CdcChange> = changes.into_iter().collect();
+        v.sort_by_key(|c| (c.start_lsn, c.seqval));
+        v
+    }
+
+    /// A restart while a transaction is in flight, with the config changed
+    /// meanwhile: the recorded transaction at 5 was handed over in part
+    /// with the customer instance alone, and the restart reads the address
+    /// instance too (a table added to an entity, its capture instance
+    /// already there). Reading on after the stored `__$seqval` must hand
+    /// over every change the instances read now hold after the marker,
+    /// exactly once; where it would not, the restart stops and says what
+    /// and how to go on. It never stops when the config is unchanged.
+    #[test]
+    fn a_restart_in_flight_reads_on_only_when_nothing_would_be_skipped() {
+        let rows = recorded();
+        let customer = ("dbo_customer", rows[0].clone());
+        let address = ("dbo_address", rows[1].clone());
+        // The address instance with a transaction at 3, between the
+        // marker (1) and the transaction in flight.
+        let mut earlier = address.clone();
+        earlier.1.insert(0, row(3, 1, 2, 20));
+        let configs = [
+            ("unchanged", vec![customer.clone()], false),
+            ("address added", vec![customer.clone(), address], true),
+            (
+                "address added, with a change before",
+                vec![customer, earlier],
+                true,
+            ),
+        ];
+        let mut stops = vec![0; configs.len()];
+        for n in 2..=6 {
+            let old = [rows[0].clone()];
+            let parts = all_parts(&old, PartCursor::first(lsn(1), lsn(5)), n, false);
+            // A restart after part k, each one that is not the last.
+            for k in 0..parts.len() - 1 {
+                let handed = parts[..=k]
+                    .iter()
+                    .flat_map(|(p, _)| p.changes.iter().map(|(_, c)| c.clone()));
+                let at = PartCursor::resume(lsn(1).into(), &parts[k].1.in_flight()).unwrap();
+                for (ci, (what, now, changed)) in configs.iter().enumerate() {
+                    let case = format!("{what}, parts of {n}, restart after part {k}");
+                    match check_in_flight(&at, &at_resume(now, &at)) {
+                        Err(e) => {
+                            let e = e.to_string();
+                            assert!(changed, "{case}: stopped: {e}");
+                            assert!(
+                                e.contains("dbo_address")
+                                    && e.contains("0x00000000000000000005")
+                                    && e.contains("skein marker reset --to 0x00000000000000000001"),
+                                "{case}: {e}"
+                            );
+                            stops[ci] += 1;
+                        }
+                        Ok(()) => {
+                            let now: Vec<Vec<CdcRow>> =
+                                now.iter().map(|(_, r)| r.clone()).collect();
+                            let rest = all_parts(&now, at, n, false);
+                            let got =
+                                by_position(handed.clone().chain(
+                                    rest.iter().flat_map(|(p, _)| {
+                                        p.changes.iter().map(|(_, c)| c.clone())
+                                    }),
+                                ));
+                            let want = by_position(
+                                whole(&now)
+                                    .into_iter()
+                                    .map(|(_, c)| c)
+                                    .filter(|c| c.start_lsn > lsn(1) && c.start_lsn <= lsn(5)),
+                            );
+                            assert_eq!(got, want, "{case}: nothing skipped, nothing twice");
+                        }
+                    }
+                }
+            }
+        }
+        // The added instance stops some restarts (its rows at or below
+        // the cursor), not all; a change before the transaction, all.
+        assert_eq!(stops[0], 0);
+        assert!(stops[1] > 0, "{stops:?}");
+        assert!(stops[2] > stops[1], "{stops:?}");
     }
 
     /// A transaction in flight past what CDC holds now (a database
