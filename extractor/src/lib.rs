@@ -297,10 +297,12 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
         }
         source.start(start.position, in_flight).await?;
         match &in_flight {
-            None => info!(position = %start.position, data_loss = start.data_loss, "extractor started"),
+            None => {
+                info!(position = %start.position, data_loss = start.data_loss, "extractor started")
+            }
             Some(f) => info!(position = %start.position, data_loss = start.data_loss,
                 in_flight_end = %f.end, in_flight_changes = f.changes,
-                "extractor started; the transaction in flight is read again from its start and what was handed over of it is skipped"),
+                "extractor started; {}", f.resumption()),
         }
         let mut lower = start.position;
         let mut seq = 0u64;

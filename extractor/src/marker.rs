@@ -60,6 +60,25 @@ pub struct InFlight {
     pub seqval: Option<SqlServerLsn>,
 }
 
+impl InFlight {
+    /// How a restart goes on with it, for the extractor's start line:
+    /// PostgreSQL's stream sends the transaction again from its start and
+    /// the extractor skips the `changes` handed over; SQL Server's reader
+    /// reads on after the stored `__$seqval`, none of it again.
+    pub fn resumption(&self) -> &'static str {
+        match self.seqval {
+            Some(_) => {
+                "the transaction in flight continues after the stored __$seqval; \
+                 what was handed over of it is not read again"
+            }
+            None => {
+                "the transaction in flight is read again from its start and what was \
+                 handed over of it is skipped"
+            }
+        }
+    }
+}
+
 impl Marker {
     /// Where the marker stands, in the order it may only move forward.
     fn progress(&self) -> (SourcePosition, Option<InFlight>) {
@@ -293,5 +312,27 @@ mod tests {
         );
         assert_eq!(serde_json::from_str::<Marker>(&json).unwrap(), ms);
         assert!(describe(&ms).ends_with("up to __$seqval 0x000000000000000000AB)"));
+    }
+
+    /// The start line says how each source goes on with a transaction in
+    /// flight (the integration suites look for these words).
+    #[test]
+    fn a_restart_says_how_the_transaction_in_flight_goes_on() {
+        let old = r#"{"commit":"0/14","end":"0/1E","changes":3,"tracked":2}"#;
+        let pg: InFlight = serde_json::from_str(old).unwrap();
+        assert!(pg
+            .resumption()
+            .contains("read again from its start and what was handed over of it is skipped"));
+        let ms = InFlight {
+            seqval: Some(SqlServerLsn([0; 10])),
+            ..pg
+        };
+        assert!(
+            ms.resumption()
+                .contains("continues after the stored __$seqval"),
+            "{}",
+            ms.resumption()
+        );
+        assert!(!ms.resumption().contains("read again from its start"));
     }
 }

@@ -193,7 +193,7 @@ mod tests {
                 old: None,
                 new: Some([("id".to_string(), Some(i.to_string()))].into()),
             },
-            unchanged: (i % 3 == 0).then(|| vec!["notes".to_string()]),
+            unchanged: i.is_multiple_of(3).then(|| vec!["notes".to_string()]),
         }
     }
 

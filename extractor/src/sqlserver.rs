@@ -383,10 +383,17 @@ pub struct PartCursor {
     /// Of those, the tracked ones ([`crate::resolve::is_tracked`]): the
     /// next part's records number on from here.
     pub tracked: u32,
+    /// Whether this process has followed the DDL committed in the window
+    /// `(lower, lsn]` ([`MssqlSource::follow_ddl`]). The window is the
+    /// same for every part, so `cdc.ddl_history` is read with the first
+    /// (the window's sizing reads it) and after a restart (the catalog read
+    /// at connect time may predate that DDL), not again for each part.
+    pub ddl_followed: bool,
 }
 
 impl PartCursor {
-    /// The first part of the transaction at `lsn`.
+    /// The first part of the transaction at `lsn`, found by sizing the
+    /// window `(lower, lsn]`, whose DDL is followed with that.
     pub fn first(lower: SqlServerLsn, lsn: SqlServerLsn) -> PartCursor {
         PartCursor {
             lower,
@@ -394,6 +401,7 @@ impl PartCursor {
             after: None,
             changes: 0,
             tracked: 0,
+            ddl_followed: true,
         }
     }
 
@@ -430,11 +438,13 @@ impl PartCursor {
             after: Some(after),
             changes: f.changes,
             tracked,
+            ddl_followed: false,
         })
     }
 
     /// The cursor after a part of `changes` changes, `tracked` of them
-    /// tracked, the last at `__$seqval` `last`.
+    /// tracked, the last at `__$seqval` `last` (a part is read only after
+    /// the window's DDL was followed).
     pub fn after_part(
         &self,
         last: Option<SqlServerLsn>,
@@ -445,9 +455,120 @@ impl PartCursor {
             after: last.or(self.after),
             changes: self.changes + changes as u64,
             tracked: self.tracked.saturating_add(tracked),
+            ddl_followed: true,
             ..*self
         }
     }
+}
+
+/// What one capture instance read now holds of the window `(lower, lsn]`
+/// of a transaction in flight, asked at a restart ([`check_in_flight`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AtResume {
+    /// The capture instance.
+    pub name: String,
+    /// Its first change after the marker, up to the transaction's commit
+    /// LSN (`None`: none).
+    pub first: Option<SqlServerLsn>,
+    /// Its changes of the transaction up to the stored `__$seqval`, an
+    /// update counted once (as [`PartCursor::changes`] counts them).
+    pub handed: u64,
+}
+
+/// Refuses a transaction in flight past `max`, the end of what CDC holds
+/// (`sys.fn_cdc_get_max_lsn()`): the change functions refuse a range
+/// beyond it, so reading on would fail the same way on every restart.
+/// The database is not the one the marker was written for, or was
+/// restored from a backup older than the transaction.
+pub fn in_flight_past_max(p: &PartCursor, max: SqlServerLsn) -> Result<()> {
+    if p.lsn <= max {
+        return Ok(());
+    }
+    // Never forward: nothing is skipped that the database holds.
+    let to = p.lower.min(max);
+    Err(Error::NotReady {
+        message: format!(
+            "the marker holds part of the transaction at {} (handed over up to __$seqval {}), \
+             but CDC in this database ends at {max} (sys.fn_cdc_get_max_lsn()): it is not the \
+             database the marker was written for, or it was restored from a backup older than \
+             that transaction",
+            p.lsn,
+            describe_cursor(p)
+        ),
+        fix: format!(
+            "if state_dir belongs to another database, give this source its own state_dir. \
+             Otherwise forget the transaction in flight and read on from what this database \
+             holds:\n  skein marker reset --to {to}\n(events already published for changes past \
+             {max} are not undone)"
+        ),
+    })
+}
+
+/// Refuses to read on after the stored `__$seqval` when that would skip
+/// changes of the capture instances read now (`now`, each with what it
+/// holds of the window, [`AtResume`]): the config changed (a table
+/// added whose capture instance was there, `source.capture_instances`)
+/// while the transaction was handed over in parts. The parts never size
+/// the window again, so an instance not read before would lose its
+/// changes between the marker and the transaction, and those of the
+/// transaction up to the cursor. Either shows here: a change before the
+/// transaction, or more changes of it up to the cursor than were handed
+/// over. (Fewer is a table no longer read: its records stay counted in
+/// [`PartCursor::tracked`], and reading on is right.)
+///
+/// Reading the transaction again from its start instead would not be
+/// lossless: the appliers that applied a part have stored a source
+/// position past the changes before it, and drop them as re-sent.
+pub fn check_in_flight(p: &PartCursor, now: &[AtResume]) -> Result<()> {
+    let before = now
+        .iter()
+        .filter_map(|a| a.first.filter(|f| *f < p.lsn).map(|f| (a, f)))
+        .min_by_key(|(_, f)| *f);
+    let held: u64 = now.iter().map(|a| a.handed).sum();
+    let message = match before {
+        Some((a, first)) => format!(
+            "capture instance `{}` has changes at {first}, after the marker at {} and before the \
+             transaction in flight at {} (handed over up to __$seqval {})",
+            a.name,
+            p.lower,
+            p.lsn,
+            describe_cursor(p)
+        ),
+        None if held > p.changes => format!(
+            "the capture instances read now hold {held} changes of the transaction in flight at \
+             {} up to the stored __$seqval {} ({}), but {} were handed over",
+            p.lsn,
+            describe_cursor(p),
+            now.iter()
+                .map(|a| format!("{}: {}", a.name, a.handed))
+                .collect::<Vec<_>>()
+                .join(", "),
+            p.changes
+        ),
+        None => return Ok(()),
+    };
+    Err(Error::NotReady {
+        message: format!(
+            "{message}: the config (a table added, or source.capture_instances) changed while that \
+             transaction was handed over in parts, and reading on after that __$seqval would \
+             skip the changes of capture instances not read before"
+        ),
+        fix: format!(
+            "start once more with the previous config until `skein marker show` shows nothing in \
+             flight, then with this one (the changes up to {lsn} of a table read only now are then \
+             not read, as for a table added after them). Or read the transaction again from its \
+             start with this config:\n  skein marker reset --to {lower}\n(appliers that applied \
+             part of it drop changes positioned before what they applied, so some of those \
+             changes may still not be published)",
+            lsn = p.lsn,
+            lower = p.lower,
+        ),
+    })
+}
+
+/// The stored `__$seqval` of a cursor, for messages.
+fn describe_cursor(p: &PartCursor) -> String {
+    p.after.map_or_else(|| "none".into(), |s| s.to_string())
 }
 
 /// Whether an instance read as `read` gives changes at `lsn` (two
@@ -1299,6 +1420,69 @@ impl MssqlSource {
         })
     }
 
+    /// Before a restart reads on after the stored `__$seqval`: the
+    /// transaction is within what CDC holds ([`in_flight_past_max`]), and
+    /// the capture instances read now hold nothing after the marker that
+    /// reading on would skip ([`check_in_flight`]). Two queries per
+    /// instance, once per start.
+    async fn check_resume(&mut self, p: &PartCursor) -> Result<()> {
+        in_flight_past_max(p, self.max_lsn().await?)?;
+        let reads = self.plan(p.lower).await?;
+        let (lsn, after) = (
+            p.lsn.0.to_vec(),
+            p.after.unwrap_or(SqlServerLsn::ZERO).0.to_vec(),
+        );
+        let mut now = Vec::with_capacity(reads.len());
+        for (ii, inst) in self.instances.clone().iter().enumerate() {
+            // This instance alone, in its range up to the transaction.
+            let alone: Vec<InstanceRead> = reads
+                .iter()
+                .enumerate()
+                .map(|(j, r)| InstanceRead {
+                    coverage: if j == ii {
+                        r.coverage
+                    } else {
+                        Coverage::Finished
+                    },
+                    ..r.clone()
+                })
+                .collect();
+            let first = self
+                .first_change_lsns(&alone, p.lsn, 0)
+                .await?
+                .first()
+                .copied();
+            let handed = if covers(&reads[ii], p.lsn) {
+                let rows = self
+                    .client
+                    .query(
+                        &format!(
+                            "counting what {} holds of the transaction in flight",
+                            inst.name
+                        ),
+                        &skein_sql::sqlserver::handed_over_sql(&inst.name),
+                        &[&lsn, &after],
+                    )
+                    .await?;
+                let n = int_of(
+                    rows.first()
+                        .and_then(|r| r.first())
+                        .unwrap_or(&SqlValue::Null),
+                    "COUNT_BIG(*)",
+                )?;
+                u64::try_from(n).unwrap_or(0)
+            } else {
+                0
+            };
+            now.push(AtResume {
+                name: inst.name.clone(),
+                first,
+                handed,
+            });
+        }
+        check_in_flight(p, &now)
+    }
+
     /// Where each instance is read in the batch after `lower`, every
     /// instance in order; cleanup may have run since the last batch, so a
     /// loss stops here.
@@ -1589,17 +1773,21 @@ impl ChangeSource for MssqlSource {
     }
 
     async fn start(&mut self, from: SourcePosition, in_flight: Option<InFlight>) -> Result<()> {
-        // A transaction handed over in part: read on after the last
-        // `__$seqval` handed over, none of what was handed over again.
-        self.part = in_flight
-            .map(|f| PartCursor::resume(from, &f))
-            .transpose()
-            .map_err(|message| Error::NotReady {
-                message,
-                fix: "give this source its own state_dir".into(),
-            })?;
-        // Nothing else is held open between batches: each one is a set of
+        self.part = None;
+        // Nothing is held open between batches: each one is a set of
         // queries.
+        let Some(f) = in_flight else {
+            return Ok(());
+        };
+        // A transaction handed over in part: read on after the last
+        // `__$seqval` handed over, none of what was handed over again,
+        // once the server and the config are seen to allow it.
+        let p = PartCursor::resume(from, &f).map_err(|message| Error::NotReady {
+            message,
+            fix: "give this source its own state_dir".into(),
+        })?;
+        self.check_resume(&p).await?;
+        self.part = Some(p);
         Ok(())
     }
 
@@ -1613,10 +1801,14 @@ impl ChangeSource for MssqlSource {
             .map_err(|e| Error::Decode(e.to_string()))?;
         if let Some(p) = self.part.filter(|p| p.lower == lower) {
             // The next part of the transaction in flight: no waiting, no
-            // sizing; the window is still `(lower, p.lsn]`.
+            // sizing; the window is still `(lower, p.lsn]`. Cleanup may
+            // have run since the last part; DDL in the window was
+            // followed already, unless this process just started.
             let reads = self.plan(lower).await?;
             self.check_retention(Some(p.lsn)).await?;
-            self.follow_ddl(lower, p.lsn).await?;
+            if !p.ddl_followed {
+                self.follow_ddl(lower, p.lsn).await?;
+            }
             return self.part_batch(p, &reads, limits).await;
         }
         self.part = None;
@@ -2189,6 +2381,50 @@ mod tests {
         );
     }
 
+    /// `cdc.ddl_history` (and the catalog, when it holds DDL) is read once
+    /// for a transaction handed over in parts, and once more per restart
+    /// in it, not once per part: the window `(lower, lsn]` is the same for
+    /// all of them. Counted as `next_batch` reads it: the window's sizing
+    /// before the first part, then the part branch when the cursor has not
+    /// followed the window's DDL.
+    #[test]
+    fn ddl_history_is_read_once_per_transaction_and_once_per_restart() {
+        let instances = recorded();
+        for n in [2, 3, 4] {
+            for restarts in [vec![], vec![1], vec![1, 2]] {
+                let mut ddl_reads = 1;
+                let mut p = PartCursor::first(lsn(1), lsn(5));
+                let mut parts = 0;
+                loop {
+                    if !p.ddl_followed {
+                        ddl_reads += 1;
+                    }
+                    let part = read_part(&instances, &p, n);
+                    parts += 1;
+                    let next = p.after_part(
+                        part.changes.last().map(|(_, c)| c.seqval),
+                        part.changes.len(),
+                        part.changes.len() as u32,
+                    );
+                    if part.last {
+                        break;
+                    }
+                    p = if restarts.contains(&parts) {
+                        PartCursor::resume(lsn(1).into(), &next.in_flight()).unwrap()
+                    } else {
+                        next
+                    };
+                }
+                assert!(parts >= 4, "n = {n}: {parts} parts");
+                assert_eq!(
+                    ddl_reads,
+                    1 + restarts.len(),
+                    "n = {n}: {parts} parts, restarts after parts {restarts:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn the_rows_of_one_seqval_stay_together_across_instances() {
         // Two instances with a row at one seqval each (never seen on a real
@@ -2226,6 +2462,7 @@ mod tests {
             after: Some(lsn(8)),
             changes: 7,
             tracked: 6,
+            ddl_followed: false,
         };
         let f = p.in_flight();
         assert_eq!((f.commit, f.end), (lsn(5).into(), lsn(5).into()));
@@ -2243,6 +2480,145 @@ mod tests {
         assert!(PartCursor::resume(lsn(1).into(), &InFlight { seqval: None, ..f }).is_err());
         // Not after the marker's position.
         assert!(PartCursor::resume(lsn(5).into(), &f).is_err());
+    }
+
+    /// What a restart asks recorded instances (name, rows) about the
+    /// window of the transaction in flight `p`, as `check_resume` asks
+    /// the server.
+    fn at_resume(instances: &[(&str, Vec<CdcRow>)], p: &PartCursor) -> Vec<AtResume> {
+        instances
+            .iter()
+            .map(|(name, rows)| AtResume {
+                name: name.to_string(),
+                first: rows
+                    .iter()
+                    .map(|r| r.start_lsn)
+                    .filter(|l| *l > p.lower && *l <= p.lsn)
+                    .min(),
+                handed: rows
+                    .iter()
+                    .filter(|r| {
+                        r.start_lsn == p.lsn && Some(r.seqval) <= p.after && r.operation != 4
+                    })
+                    .count() as u64,
+            })
+            .collect()
+    }
+
+    fn by_position(changes: impl IntoIterator<Item = CdcChange>) -> Vec<CdcChange> {
+        let mut v: Vec<CdcChange> = changes.into_iter().collect();
+        v.sort_by_key(|c| (c.start_lsn, c.seqval));
+        v
+    }
+
+    /// A restart while a transaction is in flight, with the config changed
+    /// meanwhile: the recorded transaction at 5 was handed over in part
+    /// with the customer instance alone, and the restart reads the address
+    /// instance too (a table added to an entity, its capture instance
+    /// already there). Reading on after the stored `__$seqval` must hand
+    /// over every change the instances read now hold after the marker,
+    /// exactly once; where it would not, the restart stops and says what
+    /// and how to go on. It never stops when the config is unchanged.
+    #[test]
+    fn a_restart_in_flight_reads_on_only_when_nothing_would_be_skipped() {
+        let rows = recorded();
+        let customer = ("dbo_customer", rows[0].clone());
+        let address = ("dbo_address", rows[1].clone());
+        // The address instance with a transaction at 3, between the
+        // marker (1) and the transaction in flight.
+        let mut earlier = address.clone();
+        earlier.1.insert(0, row(3, 1, 2, 20));
+        let configs = [
+            ("unchanged", vec![customer.clone()], false),
+            ("address added", vec![customer.clone(), address], true),
+            (
+                "address added, with a change before",
+                vec![customer, earlier],
+                true,
+            ),
+        ];
+        let mut stops = vec![0; configs.len()];
+        for n in 2..=6 {
+            let old = [rows[0].clone()];
+            let parts = all_parts(&old, PartCursor::first(lsn(1), lsn(5)), n, false);
+            // A restart after part k, each one that is not the last.
+            for k in 0..parts.len() - 1 {
+                let handed = parts[..=k]
+                    .iter()
+                    .flat_map(|(p, _)| p.changes.iter().map(|(_, c)| c.clone()));
+                let at = PartCursor::resume(lsn(1).into(), &parts[k].1.in_flight()).unwrap();
+                for (ci, (what, now, changed)) in configs.iter().enumerate() {
+                    let case = format!("{what}, parts of {n}, restart after part {k}");
+                    match check_in_flight(&at, &at_resume(now, &at)) {
+                        Err(e) => {
+                            let e = e.to_string();
+                            assert!(changed, "{case}: stopped: {e}");
+                            assert!(
+                                e.contains("dbo_address")
+                                    && e.contains("0x00000000000000000005")
+                                    && e.contains("skein marker reset --to 0x00000000000000000001"),
+                                "{case}: {e}"
+                            );
+                            stops[ci] += 1;
+                        }
+                        Ok(()) => {
+                            let now: Vec<Vec<CdcRow>> =
+                                now.iter().map(|(_, r)| r.clone()).collect();
+                            let rest = all_parts(&now, at, n, false);
+                            let got =
+                                by_position(handed.clone().chain(
+                                    rest.iter().flat_map(|(p, _)| {
+                                        p.changes.iter().map(|(_, c)| c.clone())
+                                    }),
+                                ));
+                            let want = by_position(
+                                whole(&now)
+                                    .into_iter()
+                                    .map(|(_, c)| c)
+                                    .filter(|c| c.start_lsn > lsn(1) && c.start_lsn <= lsn(5)),
+                            );
+                            assert_eq!(got, want, "{case}: nothing skipped, nothing twice");
+                        }
+                    }
+                }
+            }
+        }
+        // The added instance stops some restarts (its rows at or below
+        // the cursor), not all; a change before the transaction, all.
+        assert_eq!(stops[0], 0);
+        assert!(stops[1] > 0, "{stops:?}");
+        assert!(stops[2] > stops[1], "{stops:?}");
+    }
+
+    /// A transaction in flight past what CDC holds now (a database
+    /// restored from a backup older than it) would fail the change
+    /// functions' argument check on every restart: it stops once, with
+    /// the LSNs and the reset that goes on.
+    #[test]
+    fn a_transaction_in_flight_past_the_max_lsn_stops_with_the_reset() {
+        let rows = recorded();
+        let parts = all_parts(&rows, PartCursor::first(lsn(1), lsn(5)), 4, false);
+        let at = PartCursor::resume(lsn(1).into(), &parts[0].1.in_flight()).unwrap();
+        let max = rows.iter().flatten().map(|r| r.start_lsn).max().unwrap();
+        assert!(in_flight_past_max(&at, max).is_ok());
+        assert!(in_flight_past_max(&at, lsn(5)).is_ok());
+        let e = in_flight_past_max(&at, lsn(4)).unwrap_err().to_string();
+        assert!(
+            e.contains("0x00000000000000000005")
+                && e.contains("ends at 0x00000000000000000004")
+                && e.contains("skein marker reset --to 0x00000000000000000001"),
+            "{e}"
+        );
+        // The marker past that end too: the reset goes back to it.
+        let behind = PartCursor {
+            lower: lsn(3),
+            ..at
+        };
+        let e = in_flight_past_max(&behind, lsn(2)).unwrap_err().to_string();
+        assert!(
+            e.contains("skein marker reset --to 0x00000000000000000002\n"),
+            "{e}"
+        );
     }
 
     /// Records of a transaction resolved in parts, each numbered on from

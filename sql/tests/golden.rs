@@ -349,6 +349,12 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
             t.table,
             sqlserver::part_sql(&sqlserver::capture_instance(&t.schema, &t.table), &cols)
         ));
+        out.push_str(&format!(
+            "-- what a restart finds handed over of a large transaction, from {}.{}\n{};\n\n",
+            t.schema,
+            t.table,
+            sqlserver::handed_over_sql(&sqlserver::capture_instance(&t.schema, &t.table))
+        ));
     }
     for e in &cfg.entities {
         let nodes = e.nodes();

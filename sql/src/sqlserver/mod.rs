@@ -301,6 +301,20 @@ pub fn part_sql(capture_instance: &str, columns: &[String]) -> String {
     )
 }
 
+/// What one capture instance holds of a transaction in flight up to the
+/// cursor a restart reads on from: its changes at commit LSN `@P1` whose
+/// `__$seqval` is at or below `@P2`, an update's two rows counted once.
+/// Summed over the instances read now, it is what the marker says was
+/// handed over, unless the config changed in between.
+pub fn handed_over_sql(capture_instance: &str) -> String {
+    format!(
+        "SELECT COUNT_BIG(*)\n\
+         FROM cdc.{f}(@P1, @P1, N'all update old')\n\
+         WHERE [__$seqval] <= @P2 AND [__$operation] <> 4",
+        f = qi(&format!("fn_cdc_get_all_changes_{capture_instance}")),
+    )
+}
+
 /// The first `@P1` + 1 change LSNs across the given capture instances, in
 /// order: enough for [`cap_window`] to close the batch at an LSN boundary.
 /// Instance `i` is read in `[@P(2i+2), @P(2i+3)]`: from the marker's

@@ -80,6 +80,11 @@ FROM cdc.[fn_cdc_get_all_changes_sales_order](@P2, @P2, N'all update old')
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
 
+-- what a restart finds handed over of a large transaction, from sales.order
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_sales_order](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
+
 -- changes of sales.order_line
 SELECT [__$start_lsn], [__$seqval], [__$operation], [line_no], [order_no], [tenant_id]
 FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P1, @P2, N'all update old')
@@ -90,6 +95,11 @@ SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [line_no], [order_
 FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P2, @P2, N'all update old')
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
+
+-- what a restart finds handed over of a large transaction, from sales.order_line
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_sales_order_line](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
 
 -- changes of sales.line_discount
 SELECT [__$start_lsn], [__$seqval], [__$operation], [discount_id], [line_no], [order_no], [tenant_id]
@@ -102,6 +112,11 @@ FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P2, @P2, N'all update old
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
 
+-- what a restart finds handed over of a large transaction, from sales.line_discount
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_sales_line_discount](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
+
 -- changes of sales.order_shipping
 SELECT [__$start_lsn], [__$seqval], [__$operation], [order_no], [tenant_id]
 FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P1, @P2, N'all update old')
@@ -112,6 +127,11 @@ SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [order_no], [tenan
 FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P2, @P2, N'all update old')
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
+
+-- what a restart finds handed over of a large transaction, from sales.order_shipping
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_sales_order_shipping](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
 
 -- root lookup of discounts (sales.line_discount)
 IF OBJECT_ID(N'tempdb..#skein_lookup') IS NOT NULL DROP TABLE #skein_lookup;

@@ -80,6 +80,11 @@ FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P2, @P2, N'all update old')
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
 
+-- what a restart finds handed over of a large transaction, from dbo.customer
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_dbo_customer](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
+
 -- changes of dbo.address
 SELECT [__$start_lsn], [__$seqval], [__$operation], [customer_id], [id]
 FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P1, @P2, N'all update old')
@@ -90,6 +95,11 @@ SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [customer_id], [id
 FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P2, @P2, N'all update old')
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
+
+-- what a restart finds handed over of a large transaction, from dbo.address
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_dbo_address](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
 
 -- changes of dbo.address_line
 SELECT [__$start_lsn], [__$seqval], [__$operation], [address_id], [line_no]
@@ -102,6 +112,11 @@ FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P2, @P2, N'all update old')
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
 
+-- what a restart finds handed over of a large transaction, from dbo.address_line
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_dbo_address_line](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
+
 -- changes of dbo.contact
 SELECT [__$start_lsn], [__$seqval], [__$operation], [customer_id], [kind]
 FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P1, @P2, N'all update old')
@@ -112,6 +127,11 @@ SELECT TOP (@P1) [__$start_lsn], [__$seqval], [__$operation], [customer_id], [ki
 FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P2, @P2, N'all update old')
 WHERE [__$seqval] > @P3
 ORDER BY [__$seqval], [__$operation];
+
+-- what a restart finds handed over of a large transaction, from dbo.contact
+SELECT COUNT_BIG(*)
+FROM cdc.[fn_cdc_get_all_changes_dbo_contact](@P1, @P1, N'all update old')
+WHERE [__$seqval] <= @P2 AND [__$operation] <> 4;
 
 -- root lookup of lines (dbo.address_line)
 IF OBJECT_ID(N'tempdb..#skein_lookup') IS NOT NULL DROP TABLE #skein_lookup;
