@@ -4,6 +4,9 @@
 
 mod common;
 
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
 use common::*;
 use serde_json::Value;
 
@@ -135,5 +138,293 @@ async fn explicit_publishes_by_key_filter_and_entity_with_ntangle_semantics() {
     assert_eq!(last["queued"], 1, "{status}");
     assert_eq!(last["pending"], 0, "{status}");
     assert_eq!(last["finished"], true, "{status}");
+    run.stop(&env);
+}
+
+/// The explicit run of `skein status` with this id.
+fn run_status(env: &Env, id: i64) -> Value {
+    let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    status["explicit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("run {id} not in {status}"))
+}
+
+/// Waits until explicit run `id` is finished (every key published).
+async fn wait_finished(env: &Env, run: &mut Running, id: i64) {
+    let t0 = Instant::now();
+    loop {
+        run.check_alive(env);
+        let r = run_status(env, id);
+        if r["finished"] == true {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "{r}\n{}",
+            env.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn small_batches(y: String) -> String {
+    y + "extractor:\n  max_batch_changes: 5\n"
+}
+
+/// Killed halfway, twice: the command after its second chunk (the run
+/// resumes after its cursor when the same command runs again), and the
+/// pipeline after its second explicit batch (the queue keeps what is not
+/// published). Every aggregate is published once per run, never twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_explicit_run_killed_halfway_resumes_where_it_stopped() {
+    let env = Env::new("explicit_resume", small_batches).await;
+    customers(&env, 1..=50, "Ada").await;
+    let mut run = env.start().await;
+
+    // The command dies after queueing two chunks of ten.
+    let out = env
+        .command(&["explicit", "--entity", "customer", "--chunk", "10"])
+        .env("SKEIN_FAILPOINT", "explicit.after_chunk:2")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the failpoint did not fire");
+    let r = run_status(&env, 1);
+    assert_eq!(
+        (r["state"].as_str(), r["queued"].as_i64()),
+        (Some("selecting"), Some(20)),
+        "{r}"
+    );
+    // What was queued is published meanwhile; the run is not finished.
+    let t0 = Instant::now();
+    while run_status(&env, 1)["pending"] != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(run_status(&env, 1)["finished"], false);
+    assert_eq!(env.events().len(), 20);
+    let out = env
+        .command(&["explicit", "--entity", "customer", "--chunk", "10"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("resuming the unfinished explicit run"),
+        "{err}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("explicit run 1: 50 keys queued"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    env.settle(&mut run).await;
+    let events = env.events();
+    for id in 1..=50 {
+        assert_eq!(of(&events, id).len(), 1, "customer.{id}: {events:#?}");
+    }
+
+    // The pipeline dies after its second explicit batch (pages of five).
+    run.stop(&env);
+    let run = env
+        .start_with(&[("SKEIN_FAILPOINT", "applier.after_sidecar:2")])
+        .await;
+    env.skein_ok(&[
+        "explicit",
+        "--entity",
+        "customer",
+        "--republish",
+        "--no-wait",
+    ]);
+    let status = run.wait_exit(Duration::from_secs(60));
+    assert!(!status.success());
+    let r = run_status(&env, 2);
+    assert_eq!(r["queued"], 50, "{r}");
+    assert_eq!(r["pending"], 40, "two pages of five were published: {r}");
+    let mut run = env.start().await;
+    wait_finished(&env, &mut run, 2).await;
+    env.settle(&mut run).await;
+    let events = env.events();
+    for id in 1..=50 {
+        let mine = of(&events, id);
+        assert_eq!(mine.len(), 2, "customer.{id}: {mine:#?}");
+        assert_eq!(mine[1]["action"], "updated");
+    }
+    run.stop(&env);
+}
+
+/// The current state of every customer: name and address cities, sorted.
+async fn state(env: &Env) -> HashMap<i32, (String, Vec<String>)> {
+    let mut out: HashMap<i32, (String, Vec<String>)> = HashMap::new();
+    for r in env
+        .db
+        .query("SELECT id, name FROM customer", &[])
+        .await
+        .unwrap()
+    {
+        out.insert(r.get(0), (r.get(1), vec![]));
+    }
+    for r in env
+        .db
+        .query("SELECT customer_id, city FROM address ORDER BY city", &[])
+        .await
+        .unwrap()
+    {
+        let id: Option<i32> = r.get(0);
+        if let Some(c) = id.and_then(|i| out.get_mut(&i)) {
+            c.1.push(r.get(1));
+        }
+    }
+    out
+}
+
+/// An explicit run beside a live workload that keeps changing the same
+/// aggregates: when both are done, every aggregate's last event is its
+/// state (a stale state never overwrites a newer event), and a further
+/// explicit run finds nothing to publish.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_explicit_run_beside_a_live_workload_ends_with_every_last_event_equal_to_state() {
+    let env = Env::new("explicit_live", |y| {
+        y + "extractor:\n  max_batch_changes: 20\n"
+    })
+    .await;
+    customers(&env, 1..=300, "Ada").await;
+    env.exec("INSERT INTO address SELECT g, g, 'home', 'City' || g FROM generate_series(1, 300) g")
+        .await;
+    let mut run = env.start().await;
+    let url = env.url.clone();
+    let workload = tokio::spawn(async move {
+        let db = connect(&url).await;
+        let t0 = Instant::now();
+        let mut i: i32 = 0;
+        while t0.elapsed() < Duration::from_secs(8) {
+            i += 1;
+            let id = (i * 37) % 330 + 1;
+            let sql = match i % 5 {
+                0 => format!("UPDATE address SET city = 'C{i}' WHERE customer_id = {id}"),
+                1 => format!("DELETE FROM address WHERE customer_id = {id}; DELETE FROM customer WHERE id = {id}"),
+                2 => format!("INSERT INTO customer (id, name) VALUES ({id}, 'New{i}') ON CONFLICT (id) DO UPDATE SET name = 'Re{i}'"),
+                _ => format!("UPDATE customer SET name = 'N{i}' WHERE id = {id}"),
+            };
+            db.batch_execute(&format!("BEGIN; {sql}; COMMIT;"))
+                .await
+                .unwrap();
+        }
+        i
+    });
+    // Republish everything, in small chunks and pages, while it runs.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let out = env
+        .command(&[
+            "explicit",
+            "--entity",
+            "customer",
+            "--republish",
+            "--chunk",
+            "15",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let statements = workload.await.unwrap();
+    assert!(statements > 100, "the workload ran {statements} statements");
+    env.settle(&mut run).await;
+
+    let state = state(&env).await;
+    let events = env.events();
+    let mut last: HashMap<i32, &Value> = HashMap::new();
+    for e in &events {
+        let id: i32 = e["key"].as_str().unwrap().parse().unwrap();
+        last.insert(id, e);
+    }
+    for id in 1..=330 {
+        match (state.get(&id), last.get(&id)) {
+            (Some((name, cities)), Some(e)) => {
+                assert_ne!(e["action"], "deleted", "customer.{id} exists: {e}");
+                assert_eq!(e["data"]["name"], name.as_str(), "customer.{id}: {e}");
+                let got: Vec<&str> = e["data"]["addresses"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a["city"].as_str().unwrap())
+                    .collect();
+                assert_eq!(got, *cities, "customer.{id}: {e}");
+            }
+            (Some(s), None) => panic!("customer.{id} ({s:?}) was never published"),
+            (None, Some(e)) => assert_eq!(e["action"], "deleted", "customer.{id} is gone: {e}"),
+            (None, None) => {}
+        }
+    }
+    // Versions are the state: nothing more to publish.
+    let before = events.len();
+    explicit(&env, &[]);
+    env.settle(&mut run).await;
+    assert_eq!(env.events().len(), before);
+    run.stop(&env);
+}
+
+/// `extractor.initial_load: true`: the very first start publishes every
+/// aggregate that already exists (100,000 of them), beside the stream,
+/// each once; a change made during the load ends as its last event.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_initial_load_publishes_every_existing_aggregate_once() {
+    let env = Env::new("explicit_initial", |y| {
+        y + "extractor:\n  initial_load: true\n"
+    })
+    .await;
+    customers(&env, 1..=100_000, "Ada").await;
+    let mut run = env.start().await;
+    env.exec("UPDATE customer SET name = 'Changed' WHERE id IN (7, 99999); INSERT INTO customer (id, name) VALUES (100001, 'Late')")
+        .await;
+    let t0 = Instant::now();
+    loop {
+        run.check_alive(&env);
+        let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+        let runs = status["explicit"].as_array().unwrap();
+        if runs.len() == 1 && runs[0]["finished"] == true {
+            assert_eq!(runs[0]["initial"], true, "{status}");
+            // 100,001 when the load's selection came after the late insert.
+            let queued = runs[0]["queued"].as_i64().unwrap();
+            assert!((100_000..=100_001).contains(&queued), "{status}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(600), "{status}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    env.settle_within(&mut run, Duration::from_secs(300)).await;
+    let events = env.events();
+    let mut per: HashMap<String, Vec<&Value>> = HashMap::new();
+    for e in &events {
+        per.entry(e["key"].as_str().unwrap().to_string())
+            .or_default()
+            .push(e);
+    }
+    assert_eq!(per.len(), 100_001);
+    for (k, es) in &per {
+        let changed = ["7", "99999"].contains(&k.as_str());
+        // A changed one may publish twice (the load's read and the change's),
+        // never with the same content; its last event is the change.
+        assert!(es.len() == 1 || changed && es.len() == 2, "{k}: {es:#?}");
+        // (The stream may reach a changed one first: an update of an
+        // aggregate never published is an `updated`, as ever.)
+        assert!(changed || es[0]["action"] == "created", "{k}: {es:#?}");
+        if changed {
+            assert_eq!(es.last().unwrap()["data"]["name"], "Changed");
+        }
+    }
+    // A restart is no first start: nothing is loaded again.
+    run.stop(&env);
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    assert_eq!(env.events().len(), events.len());
+    let status: Value = serde_json::from_str(&env.skein_ok(&["status"])).unwrap();
+    assert_eq!(status["explicit"].as_array().unwrap().len(), 1, "{status}");
     run.stop(&env);
 }

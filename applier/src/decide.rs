@@ -485,4 +485,61 @@ mod tests {
         assert_eq!(d.action, Action::Deleted);
         assert_eq!(d.data, json!({"id": 1, "name": "a"}));
     }
+
+    /// nTangle's Explicit semantics, case by case.
+    #[test]
+    fn explicit_keys_follow_ntangle_semantics() {
+        let v = json!({"id": 1, "name": "a"});
+        let live = Stored {
+            etag: Some(etag(&v)),
+            is_deleted: false,
+        };
+        let other = Stored {
+            etag: Some("other".into()),
+            is_deleted: false,
+        };
+        let gone = Stored {
+            etag: None,
+            is_deleted: true,
+        };
+        let p = payload();
+        let act = |cur: &Current, st: Option<&Stored>, rep: bool| {
+            decide_explicit(cur, st, &p, rep).map(|d| d.action)
+        };
+        let logically_deleted = Current::Present {
+            data: v.clone(),
+            etag_input: v.clone(),
+            is_deleted: true,
+        };
+        // Present.
+        assert_eq!(act(&present(v.clone()), None, false), Some(Action::Created));
+        assert_eq!(
+            act(&present(v.clone()), Some(&gone), false),
+            Some(Action::Created)
+        );
+        assert_eq!(act(&present(v.clone()), Some(&live), false), None);
+        assert_eq!(
+            act(&present(v.clone()), Some(&live), true),
+            Some(Action::Updated)
+        );
+        assert_eq!(
+            act(&present(v.clone()), Some(&other), false),
+            Some(Action::Updated)
+        );
+        assert_eq!(act(&present(v.clone()), None, true), Some(Action::Created));
+        // Gone: a delete only where a live version exists (or, republished,
+        // any version).
+        for cur in [&Current::Missing, &logically_deleted] {
+            assert_eq!(act(cur, None, false), None);
+            assert_eq!(act(cur, None, true), None);
+            assert_eq!(act(cur, Some(&live), false), Some(Action::Deleted));
+            assert_eq!(act(cur, Some(&gone), false), None);
+            assert_eq!(act(cur, Some(&gone), true), Some(Action::Deleted));
+        }
+        // A republish carries the same etag; a delete none.
+        let d = decide_explicit(&present(v.clone()), Some(&live), &p, true).unwrap();
+        assert_eq!(d.etag, live.etag);
+        let d = decide_explicit(&Current::Missing, Some(&live), &p, false).unwrap();
+        assert_eq!((d.etag, d.data), (None, json!({"id": 1})));
+    }
 }
