@@ -18,7 +18,8 @@ use crate::error::{Error, Result};
 use crate::event::{build_event, EventContext};
 use crate::fresh::{fresh, Fresh};
 use crate::hydrate::{EntityHydrator, Source};
-use crate::sidecar::{BatchCommit, OutboxRow, Progress, Sidecar, VersionRow};
+use crate::sidecar::{BatchCommit, IdentifierRow, OutboxRow, Progress, Sidecar, VersionRow};
+use serde_json::Value;
 
 /// Reads the latest state of each entity's aggregates, in order.
 async fn hydrate_all(
@@ -62,6 +63,34 @@ struct Step {
     dropped: usize,
     /// The delivery's last step: carries its dead letters and loss notice.
     last: bool,
+}
+
+/// The global identifier of an aggregate's event (`identifier_mapping`),
+/// and whether it is new (to be stored with the event): the stored one;
+/// else, for an event that is not a delete, the value of the pre-assigned
+/// `column` in the event's data when it has one, or a new UUID v7. A delete
+/// of an aggregate that never had one gets none.
+pub fn global_id(
+    stored: Option<&String>,
+    d: &crate::decide::Decision,
+    column: Option<&str>,
+) -> (Option<String>, bool) {
+    if let Some(g) = stored {
+        return (Some(g.clone()), false);
+    }
+    if d.action == Action::Deleted {
+        return (None, false);
+    }
+    let preassigned = column.and_then(|c| d.data.get(c)).and_then(|v| match v {
+        Value::Null => None,
+        Value::String(s) if s.is_empty() => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    });
+    (
+        Some(preassigned.unwrap_or_else(|| uuid::Uuid::now_v7().to_string())),
+        true,
+    )
 }
 
 /// What a batch transaction carries besides its aggregates.
@@ -556,12 +585,19 @@ impl<S: Sidecar> Applier<S> {
         ended?;
         let mut outbox = vec![];
         let mut versions = vec![];
+        let mut identifiers = vec![];
         for ((entity, idxs, keys), current) in by_entity.into_iter().zip(hydrated) {
             let Some(h) = self.hydrators.get(entity) else {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
             };
             let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
             let stored = self.sidecar.versions(entity, &canon).await?;
+            let mapped = h.entity().identifier_mapping;
+            let global = if mapped {
+                self.sidecar.identifiers(entity, &canon).await?
+            } else {
+                HashMap::new()
+            };
             for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {
                 let c = &consolidated[*i];
                 let delete = h.delete_payload(&c.key);
@@ -569,8 +605,25 @@ impl<S: Sidecar> Applier<S> {
                     Some(republish) => decide_explicit(cur, stored.get(ck), &delete, republish),
                     None => decide(c, cur, stored.get(ck), &delete),
                 };
-                let Some(d) = decided else {
+                let Some(mut d) = decided else {
                     continue;
+                };
+                let gid = if mapped {
+                    let (gid, new) =
+                        global_id(global.get(ck), &d, h.entity().global_id_column.as_deref());
+                    if let (Some(g), true) = (&gid, new) {
+                        identifiers.push(IdentifierRow {
+                            entity: entity.to_string(),
+                            key: ck.clone(),
+                            global_id: g.clone(),
+                        });
+                    }
+                    if let (Some(g), Value::Object(m)) = (&gid, &mut d.data) {
+                        m.insert("global_id".into(), Value::String(g.clone()));
+                    }
+                    gid
+                } else {
+                    None
                 };
                 let id = uuid::Uuid::now_v7().to_string();
                 let ev = build_event(
@@ -580,6 +633,7 @@ impl<S: Sidecar> Applier<S> {
                         id: &id,
                         correlation_id: &correlation_id,
                         time_micros: c.commit_time_micros,
+                        global_id: gid.as_deref(),
                     },
                     &c.key,
                     &d,
@@ -623,6 +677,7 @@ impl<S: Sidecar> Applier<S> {
             has_data_loss: batch.has_data_loss,
             outbox,
             versions,
+            identifiers,
             explicit: batch.explicit,
         };
         failpoint("applier.before_sidecar");

@@ -38,6 +38,9 @@ pub struct EventContext<'a> {
     pub correlation_id: &'a str,
     /// Source commit time of the latest change (µs since the Unix epoch).
     pub time_micros: i64,
+    /// The aggregate's global identifier (`identifier_mapping`): the
+    /// `globalid` extension.
+    pub global_id: Option<&'a str>,
 }
 
 /// Builds the CloudEvent. Frozen: golden files pin its shape.
@@ -60,6 +63,9 @@ pub fn build_event(ctx: &EventContext<'_>, key: &RootKey, d: &Decision) -> Value
     });
     if let (Some(tag), Value::Object(m)) = (&d.etag, &mut ev) {
         m.insert("etag".into(), Value::String(tag.clone()));
+    }
+    if let (Some(g), Value::Object(m)) = (ctx.global_id, &mut ev) {
+        m.insert("globalid".into(), Value::String(g.to_string()));
     }
     ev
 }
@@ -84,6 +90,7 @@ pub(crate) mod tests {
             id: "00000000-0000-0000-0000-000000000001",
             correlation_id: "c",
             time_micros,
+            global_id: None,
         };
         build_event(&ctx, key, d)
     }

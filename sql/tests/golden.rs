@@ -603,11 +603,16 @@ fn postgres_sidecar_statements_are_frozen() {
             sc::lock_absent_progress_sql(s)[1].clone(),
         ),
         (
-            "batch transaction 5: explicit keys off the queue",
+            "batch transaction 6: explicit keys off the queue",
             sc::explicit_done_sql(s),
         ),
         ("status: explicit runs", sc::explicit_runs_sql(s)),
         ("explicit: one run", sc::explicit_run_sql(s)),
+        ("global identifiers of some keys", sc::identifiers_sql(s)),
+        (
+            "batch transaction 5: new global identifiers",
+            sc::identifiers_insert_sql(s),
+        ),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))

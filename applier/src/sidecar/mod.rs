@@ -54,6 +54,17 @@ pub struct VersionRow {
     pub is_deleted: bool,
 }
 
+/// A global identifier first assigned to an aggregate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdentifierRow {
+    /// Entity name.
+    pub entity: String,
+    /// Canonical root key.
+    pub key: String,
+    /// The global identifier.
+    pub global_id: String,
+}
+
 /// Everything one batch commits.
 #[derive(Clone, Debug)]
 pub struct BatchCommit {
@@ -90,6 +101,10 @@ pub struct BatchCommit {
     pub outbox: Vec<OutboxRow>,
     /// Versions.
     pub versions: Vec<VersionRow>,
+    /// Global identifiers first assigned by this batch (`identifier_mapping`):
+    /// inserted in its transaction; one that another batch assigned
+    /// meanwhile fences it ([`Error::Fenced`]), and it is built again.
+    pub identifiers: Vec<IdentifierRow>,
     /// Queued explicit keys ([`Sidecar::explicit_pending`]) this batch
     /// published: taken off the queue in the same transaction. A batch of
     /// explicit keys leaves the progress as it is (`position`, `source` and
@@ -380,6 +395,14 @@ pub trait Sidecar {
         keys: &[String],
     ) -> impl Future<Output = Result<HashMap<String, Stored>>> + Send;
 
+    /// Stored global identifiers of the given canonical keys of an entity
+    /// (`identifier_mapping`); a key with none is absent.
+    fn identifiers(
+        &mut self,
+        entity: &str,
+        keys: &[String],
+    ) -> impl Future<Output = Result<HashMap<String, String>>> + Send;
+
     /// The canonical keys of an entity whose last event was not a delete:
     /// every aggregate a TRUNCATE may have changed. Read by the partition's
     /// applier before its batch transaction; the keys of its partition are
@@ -655,6 +678,14 @@ impl Sidecar for AnySidecar {
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
         delegate!(self, s => s.versions(entity, keys).await)
+    }
+
+    async fn identifiers(
+        &mut self,
+        entity: &str,
+        keys: &[String],
+    ) -> Result<HashMap<String, String>> {
+        delegate!(self, s => s.identifiers(entity, keys).await)
     }
 
     async fn published_keys(

@@ -373,7 +373,25 @@ impl Sidecar for PgSidecar {
             .map_err(db("upserting versions"))?;
         }
 
-        // 5. Explicit keys published by this batch leave the queue.
+        // 5. Global identifiers first assigned by this batch.
+        if !b.identifiers.is_empty() {
+            let entities: Vec<&str> = b.identifiers.iter().map(|i| i.entity.as_str()).collect();
+            let keys: Vec<&str> = b.identifiers.iter().map(|i| i.key.as_str()).collect();
+            let ids: Vec<&str> = b.identifiers.iter().map(|i| i.global_id.as_str()).collect();
+            let n = tx
+                .execute(&sc::identifiers_insert_sql(s), &[&entities, &keys, &ids])
+                .await
+                .map_err(db("inserting global identifiers"))?;
+            if n != b.identifiers.len() as u64 {
+                return Err(Error::Fenced {
+                    partition: b.partition,
+                    expected: b.expected,
+                    found: b.expected,
+                });
+            }
+        }
+
+        // 6. Explicit keys published by this batch leave the queue.
         if !b.explicit.is_empty() {
             let taken = tx
                 .execute(&sc::explicit_done_sql(s), &[&b.explicit])
@@ -389,7 +407,7 @@ impl Sidecar for PgSidecar {
         }
 
         failpoint("applier.before_commit");
-        // 6. Commit: everything above becomes visible at once, or none of it.
+        // 7. Commit: everything above becomes visible at once, or none of it.
         tx.commit().await.map_err(db("committing the batch"))?;
         failpoint("applier.after_commit");
         Ok(batch_id)
@@ -528,6 +546,19 @@ impl Sidecar for PgSidecar {
                 updated_at: r.get(4),
             })
             .collect())
+    }
+
+    async fn identifiers(
+        &mut self,
+        entity: &str,
+        keys: &[String],
+    ) -> Result<HashMap<String, String>> {
+        let rows = self
+            .client
+            .query(&sc::identifiers_sql(&self.schema), &[&entity, &keys])
+            .await
+            .map_err(db("reading global identifiers"))?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
     async fn explicit_start(&mut self, run: &NewRun) -> Result<ExplicitRun> {

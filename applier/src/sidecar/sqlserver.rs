@@ -410,6 +410,17 @@ impl Sidecar for MssqlSidecar {
         Ok(())
     }
 
+    async fn identifiers(
+        &mut self,
+        entity: &str,
+        _keys: &[String],
+    ) -> Result<HashMap<String, String>> {
+        Err(Error::Data(format!(
+            "entity `{entity}`: identifier mapping on a SQL Server sidecar is not built yet \
+             (a PostgreSQL sidecar has it)"
+        )))
+    }
+
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
         let mut out = HashMap::new();
         for chunk in keys.chunks(MAX_PARAMS - 1) {

@@ -29,9 +29,18 @@ pub struct EntityConfig {
     /// Columns kept in the payload of a delete event besides the key.
     #[serde(default)]
     pub include_columns_on_delete: Vec<String>,
-    /// Global identifier mapping (not implemented yet: `true` is rejected).
+    /// Global identifier mapping (nTangle's): each root key is mapped to a
+    /// global identifier kept in the sidecar's `identifier_mapping` table
+    /// (a UUID v7 made when the aggregate first publishes, unless one is
+    /// pre-assigned there or by `global_id_column`); events carry it as
+    /// `data.global_id` and the `globalid` extension.
     #[serde(default)]
     pub identifier_mapping: bool,
+    /// A root column whose value is the aggregate's pre-assigned global
+    /// identifier, taken when the aggregate first publishes (then kept in
+    /// the mapping, whatever the column holds later). Needs
+    /// `identifier_mapping: true`.
+    pub global_id_column: Option<String>,
     /// Child tables, any depth.
     #[serde(default)]
     pub joins: Vec<JoinConfig>,

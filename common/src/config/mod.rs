@@ -729,13 +729,21 @@ entities:
     }
 
     #[test]
-    fn identifier_mapping_is_refused_until_implemented() {
-        let bad = SAMPLE.replace(
-            "is_deleted_column: is_deleted",
-            "is_deleted_column: is_deleted\n    identifier_mapping: true",
-        );
-        let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
-        assert!(e.contains("identifier_mapping"), "{e}");
+    fn a_global_id_column_needs_identifier_mapping() {
+        let with = |extra: &str| {
+            Config::from_yaml(
+                &SAMPLE.replace(
+                    "is_deleted_column: is_deleted",
+                    &format!("is_deleted_column: is_deleted\n    {extra}"),
+                ),
+                "t.yaml",
+            )
+        };
+        let e = with("global_id_column: gid").unwrap_err().to_string();
+        assert!(e.contains("identifier_mapping: true"), "{e}");
+        let c = with("identifier_mapping: true\n    global_id_column: gid").unwrap();
+        assert!(c.entities[0].identifier_mapping);
+        assert_eq!(c.entities[0].global_id_column.as_deref(), Some("gid"));
     }
 
     /// Fuzz properties (see [`crate::fuzz`]): no YAML text makes parsing

@@ -175,10 +175,10 @@ impl RawConfig {
                     format!("entity `{}` is configured twice", e.name),
                 ));
             }
-            if e.identifier_mapping {
+            if e.global_id_column.is_some() && !e.identifier_mapping {
                 return Err(err(
-                    &at(&[Key("identifier_mapping")]),
-                    "identifier mapping is not implemented yet; set it to false".into(),
+                    &at(&[Key("global_id_column")]),
+                    "needs `identifier_mapping: true` on the entity".into(),
                 ));
             }
             if matches!(&e.key, Some(k) if k.is_empty()) {

@@ -405,6 +405,19 @@ CREATE TABLE IF NOT EXISTS {s}."explicit_queue" (
 CREATE INDEX IF NOT EXISTS "explicit_queue_partition" ON {s}."explicit_queue" ("group_name", "topic", "partition", "id");
 CREATE INDEX IF NOT EXISTS "explicit_queue_run" ON {s}."explicit_queue" ("run_id");
 
+-- Version 6: global identifiers (`identifier_mapping: true`), nTangle's
+-- IdentifierMapping. Written in the batch transaction of an aggregate's
+-- first event, then read back for every later one (replays and explicit
+-- runs included): stable. A row inserted beforehand pre-assigns the id.
+CREATE TABLE IF NOT EXISTS {s}."identifier_mapping" (
+  "entity"     text        NOT NULL,
+  "key"        text        NOT NULL,
+  "global_id"  text        NOT NULL,
+  "created_at" timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ("entity", "key"),
+  UNIQUE ("entity", "global_id")
+);
+
 INSERT INTO {s}."schema_version" ("version") VALUES ({v}) ON CONFLICT DO NOTHING;
 "#,
         v = SIDECAR_SCHEMA_VERSION

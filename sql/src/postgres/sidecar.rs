@@ -407,3 +407,24 @@ pub fn explicit_runs_sql(schema: &str) -> String {
 pub fn explicit_run_sql(schema: &str) -> String {
     format!("{} WHERE r.id = $1", explicit_run_select(&qi(schema)))
 }
+
+/// The global identifiers of entity `$1` for the keys in the array `$2`.
+/// Columns: key, global_id.
+pub fn identifiers_sql(schema: &str) -> String {
+    format!(
+        "SELECT key, global_id FROM {}.\"identifier_mapping\" WHERE entity = $1 AND key = ANY($2)",
+        qi(schema)
+    )
+}
+
+/// New global identifiers from parallel arrays `$1` entities, `$2` keys,
+/// `$3` ids, inside the batch transaction. A conflict (another batch
+/// assigned one meanwhile) inserts fewer rows than given: the batch is
+/// then fenced and built again with the stored one.
+pub fn identifiers_insert_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.\"identifier_mapping\" (entity, key, global_id) \
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT DO NOTHING",
+        qi(schema)
+    )
+}

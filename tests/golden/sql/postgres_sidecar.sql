@@ -147,4 +147,17 @@ CREATE TABLE IF NOT EXISTS "skein"."explicit_queue" (
 CREATE INDEX IF NOT EXISTS "explicit_queue_partition" ON "skein"."explicit_queue" ("group_name", "topic", "partition", "id");
 CREATE INDEX IF NOT EXISTS "explicit_queue_run" ON "skein"."explicit_queue" ("run_id");
 
+-- Version 6: global identifiers (`identifier_mapping: true`), nTangle's
+-- IdentifierMapping. Written in the batch transaction of an aggregate's
+-- first event, then read back for every later one (replays and explicit
+-- runs included): stable. A row inserted beforehand pre-assigns the id.
+CREATE TABLE IF NOT EXISTS "skein"."identifier_mapping" (
+  "entity"     text        NOT NULL,
+  "key"        text        NOT NULL,
+  "global_id"  text        NOT NULL,
+  "created_at" timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ("entity", "key"),
+  UNIQUE ("entity", "global_id")
+);
+
 INSERT INTO "skein"."schema_version" ("version") VALUES (6) ON CONFLICT DO NOTHING;

@@ -104,7 +104,7 @@ INSERT INTO "skein"."progress" (group_name, topic, partition, position) VALUES (
 -- batch transaction 1c: explicit keys before the first progress, unlock
 DELETE FROM "skein"."progress" WHERE group_name = $1 AND topic = $2 AND partition = $3;
 
--- batch transaction 5: explicit keys off the queue
+-- batch transaction 6: explicit keys off the queue
 DELETE FROM "skein"."explicit_queue" WHERE id = ANY($1);
 
 -- status: explicit runs
@@ -112,3 +112,9 @@ SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor",
 
 -- explicit: one run
 SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor", r.queued, (SELECT count(*) FROM "skein"."explicit_queue" q WHERE q.run_id = r.id), to_char(r.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), to_char(r.updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') FROM "skein"."explicit_run" r WHERE r.id = $1;
+
+-- global identifiers of some keys
+SELECT key, global_id FROM "skein"."identifier_mapping" WHERE entity = $1 AND key = ANY($2);
+
+-- batch transaction 5: new global identifiers
+INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT DO NOTHING;
