@@ -666,10 +666,51 @@ pub fn sidecar_ddl(schema: &str) -> String {
         "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND object_id = OBJECT_ID({o}))\n    \
          CREATE INDEX [outbox_pending] ON {s}.[outbox] ([id]) WHERE [dequeued_at] IS NULL;\n\
          IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID({o}))\n    \
-         CREATE INDEX [outbox_entity_key] ON {s}.[outbox] ([entity], [key], [id]);\n\n\
+         CREATE INDEX [outbox_entity_key] ON {s}.[outbox] ([entity], [key], [id]);\n",
+        o = ql(&format!("{s}.[outbox]")),
+    );
+    out += "\n-- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A\n\
+            -- run selects root keys of an entity and queues them a chunk per transaction,\n\
+            -- with its cursor (the last key or index queued): a killed run resumes after\n\
+            -- it. Each partition's applier takes its queued keys, publishes them in its\n\
+            -- own fenced batch transaction and deletes them there: exactly once, and in\n\
+            -- order with the stream of that partition.\n";
+    out += &table(
+        "explicit_run",
+        "  [id]         bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,\n  \
+         [group_name] nvarchar(200) NOT NULL,\n  \
+         [entity]     nvarchar(200) NOT NULL,\n  \
+         [selection]  nvarchar(max) NOT NULL,\n  \
+         [republish]  bit           NOT NULL DEFAULT 0,\n  \
+         [initial]    bit           NOT NULL DEFAULT 0,\n  \
+         [state]      nvarchar(40)  NOT NULL DEFAULT N'selecting',\n  \
+         [cursor]     nvarchar(max) NULL,\n  \
+         [queued]     bigint        NOT NULL DEFAULT 0,\n  \
+         [created_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
+         [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()",
+    );
+    out += &table(
+        "explicit_queue",
+        &format!(
+            "  [id]         bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,\n  \
+             [run_id]     bigint        NOT NULL REFERENCES {s}.[explicit_run] ([id]),\n  \
+             [group_name] nvarchar(200) NOT NULL,\n  \
+             [topic]      nvarchar(400) NOT NULL,\n  \
+             [partition]  int           NOT NULL,\n  \
+             [entity]     nvarchar(200) NOT NULL,\n  \
+             [key]        nvarchar(900) NOT NULL,\n  \
+             [republish]  bit           NOT NULL DEFAULT 0"
+        ),
+    );
+    let _ = write!(
+        out,
+        "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition' AND object_id = OBJECT_ID({q}))\n    \
+         CREATE INDEX [explicit_queue_partition] ON {s}.[explicit_queue] ([group_name], [topic], [partition], [id]);\n\
+         IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID({q}))\n    \
+         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n\n\
          IF NOT EXISTS (SELECT 1 FROM {s}.[schema_version] WHERE [version] = {v})\n    \
          INSERT INTO {s}.[schema_version] ([version]) VALUES ({v});\n",
-        o = ql(&format!("{s}.[outbox]")),
+        q = ql(&format!("{s}.[explicit_queue]")),
         v = SIDECAR_SCHEMA_VERSION,
     );
     out
