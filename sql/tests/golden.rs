@@ -382,6 +382,16 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
                 sqlserver::hydrate_sql(&nodes, i, cat)
             ));
         }
+        for (what, filter, after) in [
+            ("all, first page", None, false),
+            ("all, after a key", None, true),
+            ("--where, after a key", Some("region = N'EU'"), true),
+        ] {
+            out.push_str(&format!(
+                "-- explicit: root keys, {what}\n{};\n\n",
+                sqlserver::explicit_keys_sql(&nodes[0], cat, filter, after)
+            ));
+        }
     }
     out
 }
