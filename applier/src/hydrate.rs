@@ -95,8 +95,15 @@ impl Source {
     /// A page of the entity's root keys, in key order, for an explicit run
     /// ([`crate::explicit`]): at most `limit`, after `after` (from the first
     /// when `None`), those matching the operator's `filter` on the root when
-    /// given. Read in its own read-only transaction, so a filter cannot
-    /// write.
+    /// given, each key the text the change stream sends for the same row.
+    ///
+    /// What the filter's SQL writes does not stay. PostgreSQL reads the
+    /// page in a `READ ONLY` transaction. SQL Server has no read-only
+    /// transactions: it reads the page in a transaction that is always
+    /// rolled back. (T-SQL runs several statements in one request, so a
+    /// filter text that ends that transaction itself, `1=1; COMMIT; …`,
+    /// escapes it; the filter is the operator's SQL, trusted as the config
+    /// is.)
     pub async fn root_keys(
         &mut self,
         root: &TableNode,
@@ -134,9 +141,32 @@ impl Source {
                     .map(|r| RootKey((0..r.len()).map(|i| r.get(i)).collect()))
                     .collect())
             }
-            Source::SqlServer(_) => Err(Error::Data(
-                "explicit runs on a SQL Server source are not built yet".into(),
-            )),
+            Source::SqlServer(client) => {
+                let sql = sqlserver::explicit_keys_sql(root, catalog, filter, after.is_some());
+                let mut params: Vec<&dyn tiberius::ToSql> = vec![];
+                if let Some(k) = after {
+                    for v in &k.0 {
+                        params.push(v);
+                    }
+                }
+                params.push(&limit);
+                let mut tx = client
+                    .transaction("beginning the explicit key read")
+                    .await?;
+                let rows = tx
+                    .query(
+                        &format!("selecting keys of {}", root.qualified()),
+                        &sql,
+                        &params,
+                    )
+                    .await;
+                // Whatever the filter did, none of it stays.
+                tx.rollback().await;
+                Ok(rows?
+                    .iter()
+                    .map(|r| sqlserver::decode::root_key(r))
+                    .collect())
+            }
         }
     }
 

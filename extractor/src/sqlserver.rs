@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use skein_common::config::{Config, SqlServerSource};
 use skein_common::position::SqlServerLsn;
 use skein_common::sqlvalue::SqlValue;
-use skein_common::{ChangeRecord, Op, RootKey, SourcePosition};
+use skein_common::{ChangeRecord, Op, SourcePosition};
 use skein_sql::sqlserver::MssqlClient;
 use skein_sql::Catalog;
 use tracing::{debug, info, warn};
@@ -1579,7 +1579,7 @@ impl MssqlSource {
                 .iter()
                 .map(|r| {
                     let ord = int_of(r.first().unwrap_or(&SqlValue::Null), "ord")?;
-                    Ok((ord, RootKey(r[1..].iter().map(SqlValue::to_text).collect())))
+                    Ok((ord, skein_sql::sqlserver::decode::root_key(&r[1..])))
                 })
                 .collect::<Result<Vec<_>>>()?;
             res.answer(gi, answers)?;
@@ -2669,6 +2669,130 @@ mod tests {
             }
             assert_eq!(got, want, "n = {n}");
         }
+    }
+
+    /// An explicit run reads root keys from the table itself
+    /// (`skein_sql::sqlserver::explicit_keys_sql`) and turns them into text
+    /// with `decode::root_key`: for the same stored values that is the key
+    /// the change stream resolves from a CDC row, so the explicit event
+    /// lands in the aggregate's partition and version row. Recorded TDS
+    /// cells of the usual key types, one composite key.
+    #[test]
+    fn explicit_key_pages_give_the_stream_root_keys() {
+        use std::borrow::Cow;
+        use tiberius::numeric::Numeric;
+        use tiberius::time::{Date, DateTime, DateTime2, Time};
+        use tiberius::ColumnData;
+
+        let key: [(&str, &str, ColumnData<'static>); 7] = [
+            ("id", "int", ColumnData::I32(Some(42))),
+            ("big", "bigint", ColumnData::I64(Some(-9_000_000_000))),
+            (
+                "code",
+                "nvarchar(20)",
+                ColumnData::String(Some(Cow::Borrowed("Zürich-7 ✓"))),
+            ),
+            (
+                "tenant",
+                "uniqueidentifier",
+                ColumnData::Guid(Some(
+                    tiberius::Uuid::parse_str("6f9619ff-8b86-d011-b42d-00c04fc964ff").unwrap(),
+                )),
+            ),
+            // 2024-02-29T21:59:59.1234567: day 738,944 after 0001-01-01.
+            (
+                "at",
+                "datetime2(7)",
+                ColumnData::DateTime2(Some(DateTime2::new(
+                    Date::new(738_944),
+                    Time::new(791_991_234_567, 7),
+                ))),
+            ),
+            // 2024-02-29T21:59:59 + 299/300 s: day 45,349 after 1900-01-01.
+            (
+                "legacy_at",
+                "datetime",
+                ColumnData::DateTime(Some(DateTime::new(
+                    45_349,
+                    (21 * 3600 + 59 * 60 + 59) * 300 + 299,
+                ))),
+            ),
+            (
+                "amount",
+                "decimal(10,4)",
+                ColumnData::Numeric(Some(Numeric::new_with_scale(123_400, 4))),
+            ),
+        ];
+        let names: Vec<String> = key.iter().map(|(n, _, _)| n.to_string()).collect();
+        let cells: Vec<SqlValue> = key
+            .iter()
+            .map(|(n, _, c)| skein_sql::sqlserver::decode::decode(n, c).unwrap())
+            .collect();
+
+        let cfg = skein_common::config::Config::from_yaml(
+            "source: { kind: sqlserver, url: \"server=tcp:x,1433;database=y\" }\n\
+             entities:\n  - { name: ticket, schema: dbo, table: ticket }\n",
+            "t",
+        )
+        .unwrap();
+        let mut cat = skein_sql::Catalog::default();
+        cat.insert(skein_sql::catalog::TableInfo {
+            schema: "dbo".into(),
+            table: "ticket".into(),
+            columns: key
+                .iter()
+                .map(|(n, ty, _)| skein_sql::catalog::ColumnInfo {
+                    name: n.to_string(),
+                    data_type: ty.to_string(),
+                    type_name: ty.split('(').next().unwrap_or(ty).to_string(),
+                    nullable: false,
+                })
+                .collect(),
+            primary_key: names.clone(),
+            replica_identity: 'd',
+        });
+        let plans = vec![EntityPlan::new("ticket", cfg.entities[0].nodes(), &cat)];
+        let by_table = crate::resolve::table_index(&plans);
+        let instances = vec![Instance {
+            schema: "dbo".into(),
+            table: "ticket".into(),
+            name: "dbo_ticket".into(),
+            columns: names,
+            create_lsn: None,
+        }];
+        let change = CdcChange {
+            start_lsn: lsn(5),
+            seqval: lsn(1),
+            op: CdcOp::Insert,
+            before: None,
+            after: Some(cells.clone()),
+        };
+        let txs = transactions(&instances, &[(0, change)]);
+        let meta = [TxMeta {
+            position: lsn(5).into(),
+            tx_id: 1,
+            commit_time_micros: 0,
+        }];
+        let records = BatchResolution::new(&plans, &by_table, 4, [txs[0].1.as_slice()])
+            .unwrap()
+            .finish(&plans, &meta)
+            .unwrap();
+        assert_eq!(records.len(), 1);
+        let explicit = skein_sql::sqlserver::decode::root_key(&cells);
+        assert_eq!(explicit, records[0].root_key);
+        assert_eq!(
+            explicit.0,
+            [
+                "42",
+                "-9000000000",
+                "Zürich-7 ✓",
+                "6f9619ff-8b86-d011-b42d-00c04fc964ff",
+                "2024-02-29T21:59:59.1234567",
+                "2024-02-29T21:59:59.9966666",
+                "12.3400",
+            ]
+            .map(|s| Some(s.to_string()))
+        );
     }
 
     #[test]

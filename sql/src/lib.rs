@@ -41,6 +41,52 @@ pub fn quote_literal(s: &str) -> String {
 mod tests {
     use super::*;
 
+    /// `(table, [column])` of every `CREATE TABLE` in `ddl`, and the index
+    /// names, in either dialect (`"x"` or `[x]` quoting), sorted.
+    fn shape(ddl: &str) -> (Vec<(String, Vec<String>)>, Vec<String>) {
+        let name = |s: &str| -> String {
+            s.trim_start()
+                .trim_start_matches(['"', '['])
+                .split(['"', ']'])
+                .next()
+                .unwrap_or_default()
+                .to_string()
+        };
+        let (mut tables, mut indexes) = (vec![], vec![]);
+        let mut open: Option<(String, Vec<String>)> = None;
+        for line in ddl.lines() {
+            let t = line.trim_start();
+            if let Some((table, cols)) = open.as_mut() {
+                if t.starts_with(");") {
+                    tables.push((table.clone(), std::mem::take(cols)));
+                    open = None;
+                } else if t.starts_with(['"', '[']) {
+                    cols.push(name(t));
+                }
+            } else if let Some(rest) = t.strip_prefix("CREATE TABLE ") {
+                let qualified = rest.trim_start_matches("IF NOT EXISTS ");
+                let table = qualified.split_once('.').map_or("", |(_, t)| t);
+                open = Some((name(table), vec![]));
+            } else if let Some(rest) = t.strip_prefix("CREATE INDEX ") {
+                indexes.push(name(rest.trim_start_matches("IF NOT EXISTS ")));
+            }
+        }
+        tables.sort();
+        indexes.sort();
+        (tables, indexes)
+    }
+
+    /// The sidecar is one schema in two dialects: every table, column and
+    /// index of one is in the other (a version added to one is added to
+    /// both).
+    #[test]
+    fn both_dialects_create_the_same_sidecar() {
+        let pg = shape(&sidecar_ddl(Dialect::Postgres, "skein"));
+        let ms = shape(&sidecar_ddl(Dialect::SqlServer, "skein"));
+        assert!(pg.0.len() >= 9 && pg.1.len() >= 4, "{pg:?}");
+        assert_eq!(pg, ms);
+    }
+
     #[test]
     fn quoting_doubles_quotes() {
         assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");

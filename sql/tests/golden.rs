@@ -388,6 +388,16 @@ fn mssql_all(cfg: &Config, cat: &Catalog) -> String {
                 sqlserver::hydrate_sql(&nodes, i, cat)
             ));
         }
+        for (what, filter, after) in [
+            ("all, first page", None, false),
+            ("all, after a key", None, true),
+            ("--where, after a key", Some("region = N'EU'"), true),
+        ] {
+            out.push_str(&format!(
+                "-- explicit: root keys, {what}\n{};\n\n",
+                sqlserver::explicit_keys_sql(&nodes[0], cat, filter, after)
+            ));
+        }
     }
     out
 }
@@ -506,6 +516,33 @@ fn sqlserver_sidecar_statements_are_frozen() {
             "replay --republish: forget two versions",
             sc::forget_versions_sql(s, 2),
         ),
+        (
+            "explicit: the unfinished run to resume",
+            sc::explicit_find_sql(s),
+        ),
+        ("explicit: a new run", sc::explicit_insert_sql(s)),
+        (
+            "explicit chunk 1: move the cursor",
+            sc::explicit_advance_sql(s),
+        ),
+        (
+            "explicit chunk 2: queue two keys",
+            sc::explicit_enqueue_sql(s, 2),
+        ),
+        (
+            "explicit: a partition's queued keys",
+            sc::explicit_pending_sql(s),
+        ),
+        (
+            "batch transaction 1c: explicit keys before the first progress, lock",
+            sc::lock_absent_progress_sql(s),
+        ),
+        (
+            "batch transaction 5: explicit keys off the queue",
+            sc::explicit_done_sql(s, &[41, 42]),
+        ),
+        ("status: explicit runs", sc::explicit_runs_sql(s)),
+        ("explicit: one run", sc::explicit_run_sql(s)),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))

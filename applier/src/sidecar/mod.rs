@@ -584,6 +584,53 @@ pub struct Rewind {
     pub forget: Vec<(String, String)>,
 }
 
+impl BatchCommit {
+    /// The error of a batch that took fewer queued explicit keys off the
+    /// queue than it published: another applier took them (it owned the
+    /// partition meanwhile), so this one is fenced; its progress was not
+    /// moved either way.
+    pub(crate) fn explicit_taken(&self) -> Error {
+        Error::Fenced {
+            partition: self.partition,
+            expected: self.expected,
+            found: self.expected,
+        }
+    }
+}
+
+impl ExplicitRun {
+    /// A run just created: nothing queued yet.
+    pub(crate) fn created(id: i64) -> ExplicitRun {
+        ExplicitRun {
+            id,
+            cursor: None,
+            queued: 0,
+            resumed: false,
+        }
+    }
+}
+
+impl ExplicitChunk {
+    /// The run's state after this chunk: `queued` once the selection is
+    /// exhausted, else still `selecting`.
+    pub(crate) fn state(&self) -> &'static str {
+        if self.done {
+            "queued"
+        } else {
+            "selecting"
+        }
+    }
+
+    /// The error of a chunk whose run's cursor is no longer `from`.
+    pub(crate) fn cursor_moved(&self) -> Error {
+        Error::Data(format!(
+            "explicit run {}: its cursor moved meanwhile (another `skein explicit` or \
+             `skein run` is running it); nothing of this chunk was queued",
+            self.run
+        ))
+    }
+}
+
 impl Rewind {
     /// The error that aborts a rewind when partition `p` moved meanwhile.
     pub(crate) fn moved(p: i32) -> Error {

@@ -398,11 +398,7 @@ impl Sidecar for PgSidecar {
                 .await
                 .map_err(db("taking explicit keys off the queue"))?;
             if taken != b.explicit.len() as u64 {
-                return Err(Error::Fenced {
-                    partition: b.partition,
-                    expected: b.expected,
-                    found: b.expected,
-                });
+                return Err(b.explicit_taken());
             }
         }
 
@@ -589,12 +585,7 @@ impl Sidecar for PgSidecar {
             .await
             .map_err(db("creating an explicit run"))?
             .get(0);
-        Ok(ExplicitRun {
-            id,
-            cursor: None,
-            queued: 0,
-            resumed: false,
-        })
+        Ok(ExplicitRun::created(id))
     }
 
     async fn explicit_enqueue(&mut self, c: &ExplicitChunk) -> Result<()> {
@@ -604,7 +595,7 @@ impl Sidecar for PgSidecar {
             .transaction()
             .await
             .map_err(db("beginning an explicit chunk"))?;
-        let state = if c.done { "queued" } else { "selecting" };
+        let state = c.state();
         let moved = tx
             .execute(
                 &sc::explicit_advance_sql(s),
@@ -613,11 +604,7 @@ impl Sidecar for PgSidecar {
             .await
             .map_err(db("moving the explicit run's cursor"))?;
         if moved != 1 {
-            return Err(Error::Data(format!(
-                "explicit run {}: its cursor moved meanwhile (another `skein explicit` or \
-                 `skein run` is running it); nothing of this chunk was queued",
-                c.run
-            )));
+            return Err(c.cursor_moved());
         }
         let partitions: Vec<i32> = c.keys.iter().map(|(p, _)| *p as i32).collect();
         let keys: Vec<&str> = c.keys.iter().map(|(_, k)| k.as_str()).collect();

@@ -21,16 +21,16 @@ use super::{
     parse_numeric, source_position, BatchCommit, ExplicitChunk, ExplicitItem, ExplicitRun,
     ExplicitRunStatus, NewRun, OutboxRow, Progress, RelayState, Rewind, Sidecar, VersionRow,
 };
-
-fn not_yet() -> Error {
-    Error::Data("explicit runs on a SQL Server sidecar are not built yet".into())
-}
 use crate::decide::Stored;
 use crate::error::{Error, Result};
 use crate::sink::{Sink, SinkEvent};
 
 /// Most parameters one request carries (SQL Server allows 2,100).
 const MAX_PARAMS: usize = 2_000;
+
+/// Most ids one statement lists (numbers in the text, not parameters): a
+/// very long `IN` list costs the optimizer more than a second statement.
+const MAX_IDS: usize = 1_000;
 
 /// SQL Server sidecar. Owns its connection.
 pub struct MssqlSidecar {
@@ -153,8 +153,21 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
     let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
     let src_seq: Option<i64> = b.source.map(|p| i64::try_from(p.seq).unwrap_or(i64::MAX));
 
-    // 1. Fence: move progress only from where this applier started.
+    // 1. Fence: move progress only from where this applier started. An
+    // explicit batch before the partition's first commit locks the absent
+    // row instead (see `lock_absent_progress_sql`): no row, go on.
+    let explicit_first = !b.explicit.is_empty() && b.expected.is_none();
     let moved = match b.expected {
+        None if explicit_first => {
+            let found = c
+                .query(
+                    "locking the partition's absent progress",
+                    &sc::lock_absent_progress_sql(schema),
+                    &[&b.group.as_str(), &b.topic.as_str(), &partition],
+                )
+                .await?;
+            u64::from(found.is_empty())
+        }
         Some(fence) => {
             let expected = fence.position.to_string();
             c.execute(
@@ -240,6 +253,23 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
     // 4. Versions.
     for chunk in b.versions.chunks(MAX_PARAMS / sc::VERSION_PARAMS) {
         upsert_versions(c, schema, chunk).await?;
+    }
+
+    // 5. Explicit keys published by this batch leave the queue.
+    if !b.explicit.is_empty() {
+        let mut taken = 0;
+        for ids in b.explicit.chunks(MAX_IDS) {
+            taken += c
+                .execute(
+                    "taking explicit keys off the queue",
+                    &sc::explicit_done_sql(schema, ids),
+                    &[],
+                )
+                .await?;
+        }
+        if taken != b.explicit.len() as u64 {
+            return Err(b.explicit_taken());
+        }
     }
 
     failpoint("applier.before_commit");
@@ -467,8 +497,8 @@ impl Sidecar for MssqlSidecar {
     }
 
     /// Read top to bottom: `BEGIN TRAN`, then [`commit_in_tx`] (fence, batch
-    /// row, outbox, versions), `COMMIT`; an error drops the transaction
-    /// guard, which rolls it back.
+    /// row, outbox, versions, explicit keys), `COMMIT`; an error drops the
+    /// transaction guard, which rolls it back.
     async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
         let mut tx = self
             .client
@@ -623,36 +653,168 @@ impl Sidecar for MssqlSidecar {
             .collect())
     }
 
-    // TODO(explicit on SQL Server): written next, in the SQL Server twin.
-    async fn explicit_start(&mut self, _run: &NewRun) -> Result<ExplicitRun> {
-        Err(not_yet())
+    async fn explicit_start(&mut self, run: &NewRun) -> Result<ExplicitRun> {
+        let s = self.schema.as_str();
+        let params: [&dyn tiberius::ToSql; 5] = [
+            &run.group,
+            &run.entity,
+            &run.selection,
+            &run.republish,
+            &run.initial,
+        ];
+        let found = self
+            .client
+            .query(
+                "looking for an unfinished explicit run",
+                &sc::explicit_find_sql(s),
+                &params,
+            )
+            .await?;
+        if let Some(r) = found.first() {
+            return Ok(ExplicitRun {
+                id: int_at(r, 0, "explicit_run.id")?,
+                cursor: text(r.get(1)),
+                queued: int_at(r, 2, "explicit_run.queued")?,
+                resumed: true,
+            });
+        }
+        let rows = self
+            .client
+            .query(
+                "creating an explicit run",
+                &sc::explicit_insert_sql(s),
+                &params,
+            )
+            .await?;
+        let id = match rows.first() {
+            Some(r) => int_at(r, 0, "explicit_run.id")?,
+            None => return Err(Error::Data("a new explicit run returned no id".into())),
+        };
+        Ok(ExplicitRun::created(id))
     }
 
-    async fn explicit_enqueue(&mut self, _chunk: &ExplicitChunk) -> Result<()> {
-        Err(not_yet())
+    async fn explicit_enqueue(&mut self, c: &ExplicitChunk) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut tx = self
+            .client
+            .transaction("beginning an explicit chunk")
+            .await?;
+        let state = c.state();
+        let moved = tx
+            .execute(
+                "moving the explicit run's cursor",
+                &sc::explicit_advance_sql(s),
+                &[&c.run, &c.from, &c.to, &(c.keys.len() as i64), &state],
+            )
+            .await?;
+        if moved != 1 {
+            // Dropping `tx` rolls back.
+            return Err(c.cursor_moved());
+        }
+        let partitions: Vec<i32> = c.keys.iter().map(|(p, _)| *p as i32).collect();
+        let per = (MAX_PARAMS - 5) / sc::EXPLICIT_QUEUE_PARAMS;
+        for (ps, keys) in partitions.chunks(per).zip(c.keys.chunks(per)) {
+            let mut params: Vec<&dyn tiberius::ToSql> =
+                vec![&c.run, &c.group, &c.topic, &c.entity, &c.republish];
+            for (p, (_, k)) in ps.iter().zip(keys) {
+                params.push(p);
+                params.push(k);
+            }
+            tx.execute(
+                "queueing explicit keys",
+                &sc::explicit_enqueue_sql(s, keys.len()),
+                &params,
+            )
+            .await?;
+        }
+        failpoint("explicit.before_chunk_commit");
+        Ok(tx.commit("committing an explicit chunk").await?)
     }
 
     async fn explicit_pending(
         &mut self,
-        _group: &str,
-        _topic: &str,
-        _partition: u32,
-        _limit: i64,
+        group: &str,
+        topic: &str,
+        partition: u32,
+        limit: i64,
     ) -> Result<Vec<ExplicitItem>> {
-        Ok(vec![])
+        let rows = self
+            .client
+            .query(
+                "reading queued explicit keys",
+                &sc::explicit_pending_sql(&self.schema),
+                &[&group, &topic, &(partition as i32), &limit],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(ExplicitItem {
+                    id: int_at(r, 0, "explicit_queue.id")?,
+                    entity: text(r.get(1)).unwrap_or_default(),
+                    key: text(r.get(2)).unwrap_or_default(),
+                    republish: bit_at(r, 3),
+                })
+            })
+            .collect()
     }
 
-    async fn explicit_runs(
-        &mut self,
-        _group: &str,
-        _recent: i64,
-    ) -> Result<Vec<ExplicitRunStatus>> {
-        Ok(vec![])
+    async fn explicit_runs(&mut self, group: &str, recent: i64) -> Result<Vec<ExplicitRunStatus>> {
+        let rows = self
+            .client
+            .query(
+                "reading explicit runs",
+                &sc::explicit_runs_sql(&self.schema),
+                &[&group, &recent],
+            )
+            .await?;
+        rows.iter().map(|r| run_status(r)).collect()
     }
 
-    async fn explicit_run(&mut self, _id: i64) -> Result<Option<ExplicitRunStatus>> {
-        Err(not_yet())
+    async fn explicit_run(&mut self, id: i64) -> Result<Option<ExplicitRunStatus>> {
+        let rows = self
+            .client
+            .query(
+                "reading an explicit run",
+                &sc::explicit_run_sql(&self.schema),
+                &[&id],
+            )
+            .await?;
+        rows.first().map(|r| run_status(r)).transpose()
     }
+}
+
+/// Column `i` of a row read back, a `bigint`/`int` the statement guarantees
+/// (`what` names it in the error).
+fn int_at(r: &[SqlValue], i: usize, what: &str) -> Result<i64> {
+    match r.get(i) {
+        Some(SqlValue::Int(v)) => Ok(*v),
+        other => Err(Error::Data(format!(
+            "{what}: expected an integer, read {}",
+            describe(other.map(std::slice::from_ref).unwrap_or_default())
+        ))),
+    }
+}
+
+/// Column `i`, a `bit`.
+fn bit_at(r: &[SqlValue], i: usize) -> bool {
+    matches!(r.get(i), Some(SqlValue::Bit(true)))
+}
+
+/// An explicit run as `explicit_run_select` reads it.
+fn run_status(r: &[SqlValue]) -> Result<ExplicitRunStatus> {
+    Ok(ExplicitRunStatus {
+        id: int_at(r, 0, "explicit_run.id")?,
+        entity: text(r.get(1)).unwrap_or_default(),
+        selection: text(r.get(2)).unwrap_or_default(),
+        republish: bit_at(r, 3),
+        initial: bit_at(r, 4),
+        state: text(r.get(5)).unwrap_or_default(),
+        cursor: text(r.get(6)),
+        queued: int_at(r, 7, "explicit_run.queued")?,
+        pending: int_at(r, 8, "explicit_run pending count")?,
+        created_at: text(r.get(9)).unwrap_or_default(),
+        updated_at: text(r.get(10)).unwrap_or_default(),
+    })
 }
 
 #[cfg(test)]
@@ -689,6 +851,47 @@ mod tests {
             let r = [SqlValue::Int(id), SqlValue::Text(entity.clone()), SqlValue::Text(event.clone())];
             prop_assert_eq!(outbox_event(&r).unwrap(), SinkEvent { outbox_id: id, entity, event });
         }
+    }
+
+    /// A row of `explicit_run_select` as SQL Server returns it (the bits
+    /// as `bit`, the count as `bigint`, the times as text).
+    #[test]
+    fn an_explicit_run_reads_back_from_its_row() {
+        let t = |s: &str| SqlValue::Text(s.into());
+        let row = [
+            SqlValue::Int(7),
+            t("customer"),
+            t("\"all\""),
+            SqlValue::Bit(false),
+            SqlValue::Bit(true),
+            t("queued"),
+            SqlValue::Null,
+            SqlValue::Int(3),
+            SqlValue::Int(1),
+            t("2026-01-02T03:04:05Z"),
+            t("2026-01-02T03:04:06Z"),
+        ];
+        let st = run_status(&row).unwrap();
+        assert_eq!(
+            st,
+            ExplicitRunStatus {
+                id: 7,
+                entity: "customer".into(),
+                selection: "\"all\"".into(),
+                republish: false,
+                initial: true,
+                state: "queued".into(),
+                cursor: None,
+                queued: 3,
+                pending: 1,
+                created_at: "2026-01-02T03:04:05Z".into(),
+                updated_at: "2026-01-02T03:04:06Z".into(),
+            }
+        );
+        assert!(!st.finished());
+        let e = run_status(&[t("secret")]).unwrap_err().to_string();
+        assert!(e.contains("explicit_run.id") && e.contains("(text)"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
     }
 
     #[test]

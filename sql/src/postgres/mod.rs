@@ -559,33 +559,41 @@ pub fn explicit_keys_sql(
 ) -> String {
     let key = catalog.key_columns(root);
     let cols: Vec<String> = key.iter().map(|c| format!("t0.{}::text", qi(c))).collect();
-    let mut conds: Vec<String> = vec![];
-    if let Some(f) = filter {
-        conds.push(format!("({f})"));
-    }
-    if after {
+    let keyset = after.then(|| {
         let lhs: Vec<String> = key.iter().map(|c| format!("t0.{}", qi(c))).collect();
         let rhs: Vec<String> = key
             .iter()
             .enumerate()
             .map(|(i, c)| format!("${}::text::{}", i + 1, cast_type(catalog, root, c)))
             .collect();
-        conds.push(format!("({}) > ({})", lhs.join(", "), rhs.join(", ")));
-    }
+        format!("({}) > ({})", lhs.join(", "), rhs.join(", "))
+    });
     let order: Vec<String> = key.iter().map(|c| format!("t0.{}", qi(c))).collect();
     format!(
         "SELECT {cols}\nFROM {schema}.{table} AS t0\n{where_}ORDER BY {order}\nLIMIT ${limit}",
         cols = cols.join(", "),
         schema = qi(&root.schema),
         table = qi(&root.table),
-        where_ = if conds.is_empty() {
-            String::new()
-        } else {
-            format!("WHERE {}\n", conds.join(" AND "))
-        },
+        where_ = explicit_where(filter, keyset),
         order = order.join(", "),
         limit = if after { key.len() + 1 } else { 1 },
     )
+}
+
+/// The `WHERE` line of an explicit key page (either dialect): the
+/// operator's `filter` in parentheses, then the `keyset` condition, or
+/// nothing when there is neither.
+pub(crate) fn explicit_where(filter: Option<&str>, keyset: Option<String>) -> String {
+    let conds: Vec<String> = filter
+        .map(|f| format!("({f})"))
+        .into_iter()
+        .chain(keyset)
+        .collect();
+    if conds.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}\n", conds.join(" AND "))
+    }
 }
 
 /// Taken first in a batch's hydration snapshot, before the snapshot

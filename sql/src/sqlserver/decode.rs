@@ -12,6 +12,7 @@ use chrono::{Duration, FixedOffset, NaiveDate, NaiveDateTime, NaiveTime, TimeZon
 use tiberius::ColumnData;
 
 use skein_common::sqlvalue::SqlValue;
+use skein_common::RootKey;
 
 /// A cell that cannot be represented.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -139,6 +140,16 @@ fn datetime2(dt: &tiberius::time::DateTime2) -> Option<NaiveDateTime> {
     let date = date_from_days(dt.date().days())?;
     let time = time_from_increments(dt.time().increments(), dt.time().scale())?;
     Some(date.and_time(time))
+}
+
+/// A root key as the change stream writes it: each key column's decoded
+/// value as [`SqlValue::to_text`] renders it, NULL as `None`. The
+/// extractor turns CDC images and root lookups into keys this way, and an
+/// explicit run's key pages ([`super::explicit_keys_sql`]) go through it
+/// too, so a key queued by an explicit run is the key the stream sends for
+/// the same row (one partition, one version row).
+pub fn root_key(cells: &[SqlValue]) -> RootKey {
+    RootKey(cells.iter().map(SqlValue::to_text).collect())
 }
 
 /// Decodes every cell of a row, in column order.

@@ -31,7 +31,8 @@ use skein_common::sqlvalue::SqlValue;
 
 use crate::catalog::{Catalog, ColumnInfo};
 use crate::postgres::{
-    parent_chain_joins, path_joins_and_order, path_to, referenced_columns, tracked_tables,
+    explicit_where, parent_chain_joins, path_joins_and_order, path_to, referenced_columns,
+    tracked_tables,
 };
 
 pub use client::{MssqlClient, MssqlError, Transaction};
@@ -419,15 +420,13 @@ pub fn lookup_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Strin
         .iter()
         .enumerate()
         .map(|(i, o)| {
-            let ty = catalog
-                .node(parent)
-                .and_then(|t| t.column(&o.to_column))
-                .map(|c| c.data_type.as_str())
-                .unwrap_or("nvarchar(4000)");
             format!(
                 "u0.{} = {}",
                 qi(&o.to_column),
-                key_from_text(ty, &format!("k.[v{i}]"))
+                key_from_text(
+                    column_type(catalog, parent, &o.to_column),
+                    &format!("k.[v{i}]")
+                )
             )
         })
         .collect();
@@ -441,6 +440,16 @@ pub fn lookup_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Strin
     sql.push_str(&parent_chain_joins(nodes, &up, qi));
     sql.push_str("ORDER BY k.[ord]");
     sql
+}
+
+/// The declared type of `column` of `node` (`nvarchar(4000)` when the
+/// catalog does not know it): what a key's text is converted back to.
+fn column_type<'a>(catalog: &'a Catalog, node: &TableNode, column: &str) -> &'a str {
+    catalog
+        .node(node)
+        .and_then(|t| t.column(column))
+        .map(|c| c.data_type.as_str())
+        .unwrap_or("nvarchar(4000)")
 }
 
 /// A key's text (`SqlValue::to_text`: ISO 8601, `T`, 100 ns digits when
@@ -552,11 +561,7 @@ pub fn hydrate_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let ty = catalog
-                .node(root)
-                .and_then(|t| t.column(c))
-                .map(|c| c.data_type.as_str())
-                .unwrap_or("nvarchar(4000)");
+            let ty = column_type(catalog, root, c);
             format!("t0.{} = {}", qi(c), key_from_text(ty, &format!("k.[v{i}]")))
         })
         .collect();
@@ -564,6 +569,63 @@ pub fn hydrate_sql(nodes: &[TableNode], index: usize, catalog: &Catalog) -> Stri
         "SELECT {}\nFROM #skein_keys k\n{}",
         select.join(", "),
         path_joins_and_order(nodes, &path, catalog, &on_root, "k.[ord]", qi)
+    )
+}
+
+/// A page of root keys for `skein explicit` (`extractor.initial_load`),
+/// the twin of [`crate::postgres::explicit_keys_sql`]: the entity's root
+/// key columns, typed as the change stream reads them (the caller turns
+/// them into key text with [`decode::root_key`]), in key order, at most
+/// `@Pn+1` of them (a `bigint` after the `n` key columns; `@P1` without
+/// `after`).
+///
+/// `filter`, when given, is the operator's SQL condition on the root row
+/// (alias `t0`, columns unqualified resolve to it). With `after` the page
+/// starts after the key whose column texts are `@P1…@Pn`, each read back in
+/// its column's type as hydration reads keys ([`key_from_text`]). T-SQL has
+/// no row comparison, so the keyset is spelled out, `(a > @P1) OR (a = @P1
+/// AND b > @P2)`; for a composite key a leading `a >= @P1` lets the
+/// optimizer seek on the first column whatever it makes of the `OR`.
+pub fn explicit_keys_sql(
+    root: &TableNode,
+    catalog: &Catalog,
+    filter: Option<&str>,
+    after: bool,
+) -> String {
+    let key = catalog.key_columns(root);
+    let cols: Vec<String> = key.iter().map(|c| format!("t0.{}", qi(c))).collect();
+    let keyset = after.then(|| {
+        let param: Vec<String> = key
+            .iter()
+            .enumerate()
+            .map(|(i, c)| key_from_text(column_type(catalog, root, c), &format!("@P{}", i + 1)))
+            .collect();
+        let alternatives: Vec<String> = (0..key.len())
+            .map(|i| {
+                let mut terms: Vec<String> = (0..i)
+                    .map(|j| format!("{} = {}", cols[j], param[j]))
+                    .collect();
+                terms.push(format!("{} > {}", cols[i], param[i]));
+                format!("({})", terms.join(" AND "))
+            })
+            .collect();
+        match alternatives.as_slice() {
+            [one] => one.clone(),
+            _ => format!(
+                "{} >= {} AND ({})",
+                cols[0],
+                param[0],
+                alternatives.join(" OR ")
+            ),
+        }
+    });
+    format!(
+        "SELECT TOP (@P{limit}) {cols}\nFROM {schema}.{table} AS t0\n{where_}ORDER BY {cols}",
+        limit = if after { key.len() + 1 } else { 1 },
+        cols = cols.join(", "),
+        schema = qi(&root.schema),
+        table = qi(&root.table),
+        where_ = explicit_where(filter, keyset),
     )
 }
 
@@ -680,10 +742,51 @@ pub fn sidecar_ddl(schema: &str) -> String {
         "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND object_id = OBJECT_ID({o}))\n    \
          CREATE INDEX [outbox_pending] ON {s}.[outbox] ([id]) WHERE [dequeued_at] IS NULL;\n\
          IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID({o}))\n    \
-         CREATE INDEX [outbox_entity_key] ON {s}.[outbox] ([entity], [key], [id]);\n\n\
+         CREATE INDEX [outbox_entity_key] ON {s}.[outbox] ([entity], [key], [id]);\n",
+        o = ql(&format!("{s}.[outbox]")),
+    );
+    out += "\n-- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A\n\
+            -- run selects root keys of an entity and queues them a chunk per transaction,\n\
+            -- with its cursor (the last key or index queued): a killed run resumes after\n\
+            -- it. Each partition's applier takes its queued keys, publishes them in its\n\
+            -- own fenced batch transaction and deletes them there: exactly once, and in\n\
+            -- order with the stream of that partition.\n";
+    out += &table(
+        "explicit_run",
+        "  [id]         bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,\n  \
+         [group_name] nvarchar(200) NOT NULL,\n  \
+         [entity]     nvarchar(200) NOT NULL,\n  \
+         [selection]  nvarchar(max) NOT NULL,\n  \
+         [republish]  bit           NOT NULL DEFAULT 0,\n  \
+         [initial]    bit           NOT NULL DEFAULT 0,\n  \
+         [state]      nvarchar(40)  NOT NULL DEFAULT N'selecting',\n  \
+         [cursor]     nvarchar(max) NULL,\n  \
+         [queued]     bigint        NOT NULL DEFAULT 0,\n  \
+         [created_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
+         [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()",
+    );
+    out += &table(
+        "explicit_queue",
+        &format!(
+            "  [id]         bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,\n  \
+             [run_id]     bigint        NOT NULL REFERENCES {s}.[explicit_run] ([id]),\n  \
+             [group_name] nvarchar(200) NOT NULL,\n  \
+             [topic]      nvarchar(400) NOT NULL,\n  \
+             [partition]  int           NOT NULL,\n  \
+             [entity]     nvarchar(200) NOT NULL,\n  \
+             [key]        nvarchar(900) NOT NULL,\n  \
+             [republish]  bit           NOT NULL DEFAULT 0"
+        ),
+    );
+    let _ = write!(
+        out,
+        "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition' AND object_id = OBJECT_ID({q}))\n    \
+         CREATE INDEX [explicit_queue_partition] ON {s}.[explicit_queue] ([group_name], [topic], [partition], [id]);\n\
+         IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID({q}))\n    \
+         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n\n\
          IF NOT EXISTS (SELECT 1 FROM {s}.[schema_version] WHERE [version] = {v})\n    \
          INSERT INTO {s}.[schema_version] ([version]) VALUES ({v});\n",
-        o = ql(&format!("{s}.[outbox]")),
+        q = ql(&format!("{s}.[explicit_queue]")),
         v = SIDECAR_SCHEMA_VERSION,
     );
     out

@@ -313,3 +313,137 @@ pub fn relay_mark_sql(schema: &str, ids: &[i64]) -> String {
         list.join(", ")
     )
 }
+
+/// The unfinished explicit run of `@P1` group, `@P2` entity, `@P3`
+/// selection (its JSON text), `@P4` republish, `@P5` initial load, if any:
+/// the one a repeated command resumes. Columns: id, cursor, queued.
+pub fn explicit_find_sql(schema: &str) -> String {
+    format!(
+        "SELECT TOP (1) [id], [cursor], [queued] FROM {}.[explicit_run] WHERE [group_name] = @P1 \
+         AND [entity] = @P2 AND [selection] = @P3 AND [republish] = @P4 AND [initial] = @P5 \
+         AND [state] = N'selecting' ORDER BY [id]",
+        qi(schema)
+    )
+}
+
+/// A new explicit run (`@P1`…`@P5` as [`explicit_find_sql`]), returning its id.
+pub fn explicit_insert_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {}.[explicit_run] ([group_name], [entity], [selection], [republish], [initial]) \
+         OUTPUT INSERTED.[id] VALUES (@P1, @P2, @P3, @P4, @P5)",
+        qi(schema)
+    )
+}
+
+/// Moves run `@P1`'s cursor from `@P2` to `@P3`, adds `@P4` to what it
+/// queued and sets its state `@P5`; affects 0 rows when the cursor moved
+/// meanwhile (another process runs it) or the run ended. The cursor
+/// compare treats NULL as equal to NULL (PostgreSQL's `IS NOT DISTINCT
+/// FROM`): a run's first chunk starts from no cursor.
+pub fn explicit_advance_sql(schema: &str) -> String {
+    format!(
+        "UPDATE {}.[explicit_run] SET [cursor] = @P3, [queued] = [queued] + @P4, [state] = @P5, \
+         [updated_at] = SYSUTCDATETIME() WHERE [id] = @P1 \
+         AND ([cursor] = @P2 OR ([cursor] IS NULL AND @P2 IS NULL)) AND [state] = N'selecting'",
+        qi(schema)
+    )
+}
+
+/// Parameters per key in [`explicit_enqueue_sql`] (after the five shared ones).
+pub const EXPLICIT_QUEUE_PARAMS: usize = 2;
+
+/// Queues `rows` keys of run `@P1` (`@P2` group, `@P3` topic, `@P4`
+/// entity, `@P5` republish), then per key its partition and canonical
+/// key, in the given order: identity values follow the `ORDER BY` of an
+/// `INSERT … SELECT` (as in [`outbox_insert_sql`]), so ids keep the
+/// selection's order. The ordinals are the statement's own numbers, not
+/// parameters.
+pub fn explicit_enqueue_sql(schema: &str, rows: usize) -> String {
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let p = 6 + r * EXPLICIT_QUEUE_PARAMS;
+            format!("({r}, @P{p}, @P{})", p + 1)
+        })
+        .collect();
+    format!(
+        "INSERT INTO {}.[explicit_queue] ([run_id], [group_name], [topic], [partition], [entity], \
+         [key], [republish]) \
+         SELECT @P1, @P2, @P3, v.p, @P4, v.k, @P5 FROM (VALUES {}) AS v(ord, p, k) ORDER BY v.ord",
+        qi(schema),
+        values.join(", ")
+    )
+}
+
+/// At most `@P4` queued keys of partition `@P3` of `@P1` group on `@P2`
+/// topic, oldest first. Columns: id, entity, key, republish.
+pub fn explicit_pending_sql(schema: &str) -> String {
+    format!(
+        "SELECT TOP (@P4) [id], [entity], [key], [republish] FROM {}.[explicit_queue] \
+         WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 ORDER BY [id]",
+        qi(schema)
+    )
+}
+
+/// Takes the queued keys `ids` (numbers read from the queue, as in
+/// [`relay_mark_sql`]) off the queue, inside the batch transaction that
+/// published them; fewer rows than ids means another applier did.
+pub fn explicit_done_sql(schema: &str, ids: &[i64]) -> String {
+    let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+    format!(
+        "DELETE FROM {}.[explicit_queue] WHERE [id] IN ({})",
+        qi(schema),
+        list.join(", ")
+    )
+}
+
+/// A partition with no progress row yet has nothing to lock: an explicit
+/// batch reads its absent row (`@P1` group, `@P2` topic, `@P3` partition)
+/// under `UPDLOCK, HOLDLOCK` instead, a key-range lock held to the end of
+/// the transaction, so a concurrent first commit of the stream (whose
+/// [`first_progress_sql`] asks for the same range) waits for it; a row
+/// found means one committed first, and the batch is fenced. (PostgreSQL
+/// has no range locks outside serializable transactions and inserts and
+/// deletes the row instead.) The range reaches to the next stored key, so
+/// the batch also holds back a progress update of the partition stored
+/// after it until it commits. Columns: one row when progress exists.
+pub fn lock_absent_progress_sql(schema: &str) -> String {
+    format!(
+        "SELECT 1 FROM {}.[progress] WITH (UPDLOCK, HOLDLOCK) \
+         WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3",
+        qi(schema)
+    )
+}
+
+/// What [`explicit_runs_sql`] and [`explicit_run_sql`] read of a run.
+/// Columns: id, entity, selection, republish, initial, state, cursor,
+/// queued, pending (keys still queued), created_at and updated_at (ISO 8601
+/// texts, as [`relay_states_sql`] writes them).
+fn explicit_run_select(s: &str) -> String {
+    format!(
+        "SELECT r.[id], r.[entity], r.[selection], r.[republish], r.[initial], r.[state], \
+         r.[cursor], r.[queued], \
+         (SELECT CAST(COUNT(*) AS bigint) FROM {s}.[explicit_queue] q WHERE q.[run_id] = r.[id]), \
+         CONVERT(nvarchar(19), r.[created_at], 126) + N'Z', \
+         CONVERT(nvarchar(19), r.[updated_at], 126) + N'Z' \
+         FROM {s}.[explicit_run] r"
+    )
+}
+
+/// The explicit runs of `@P1` group: every unfinished one and the last
+/// `@P2` others, newest first. Columns as [`explicit_run_select`].
+pub fn explicit_runs_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "{} WHERE r.[group_name] = @P1 AND (r.[state] = N'selecting' \
+         OR EXISTS (SELECT 1 FROM {s}.[explicit_queue] q WHERE q.[run_id] = r.[id]) \
+         OR r.[id] IN (SELECT TOP (@P2) [id] FROM {s}.[explicit_run] WHERE [group_name] = @P1 \
+         ORDER BY [id] DESC)) \
+         ORDER BY r.[id] DESC",
+        explicit_run_select(&s)
+    )
+}
+
+/// Explicit run `@P1`. Columns as [`explicit_run_select`].
+pub fn explicit_run_sql(schema: &str) -> String {
+    format!("{} WHERE r.[id] = @P1", explicit_run_select(&qi(schema)))
+}

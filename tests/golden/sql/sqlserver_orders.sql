@@ -178,3 +178,20 @@ JOIN [sales].[order] t0 ON t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, k.[v0]
 JOIN [sales].[order_shipping] t1 ON t1.[tenant_id] = t0.[tenant_id] AND t1.[order_no] = t0.[order_no]
 ORDER BY k.[ord], t1.[tenant_id], t1.[order_no];
 
+-- explicit: root keys, all, first page
+SELECT TOP (@P1) t0.[tenant_id], t0.[order_no]
+FROM [sales].[order] AS t0
+ORDER BY t0.[tenant_id], t0.[order_no];
+
+-- explicit: root keys, all, after a key
+SELECT TOP (@P3) t0.[tenant_id], t0.[order_no]
+FROM [sales].[order] AS t0
+WHERE t0.[tenant_id] >= TRY_CONVERT(uniqueidentifier, @P1) AND ((t0.[tenant_id] > TRY_CONVERT(uniqueidentifier, @P1)) OR (t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, @P1) AND t0.[order_no] > TRY_CONVERT(bigint, @P2)))
+ORDER BY t0.[tenant_id], t0.[order_no];
+
+-- explicit: root keys, --where, after a key
+SELECT TOP (@P3) t0.[tenant_id], t0.[order_no]
+FROM [sales].[order] AS t0
+WHERE (region = N'EU') AND t0.[tenant_id] >= TRY_CONVERT(uniqueidentifier, @P1) AND ((t0.[tenant_id] > TRY_CONVERT(uniqueidentifier, @P1)) OR (t0.[tenant_id] = TRY_CONVERT(uniqueidentifier, @P1) AND t0.[order_no] > TRY_CONVERT(bigint, @P2)))
+ORDER BY t0.[tenant_id], t0.[order_no];
+

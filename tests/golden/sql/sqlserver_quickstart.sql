@@ -178,3 +178,20 @@ JOIN [dbo].[customer] t0 ON t0.[id] = TRY_CONVERT(int, k.[v0])
 JOIN [dbo].[contact] t1 ON t1.[customer_id] = t0.[id]
 ORDER BY k.[ord], t1.[customer_id], t1.[kind];
 
+-- explicit: root keys, all, first page
+SELECT TOP (@P1) t0.[id]
+FROM [dbo].[customer] AS t0
+ORDER BY t0.[id];
+
+-- explicit: root keys, all, after a key
+SELECT TOP (@P2) t0.[id]
+FROM [dbo].[customer] AS t0
+WHERE (t0.[id] > TRY_CONVERT(int, @P1))
+ORDER BY t0.[id];
+
+-- explicit: root keys, --where, after a key
+SELECT TOP (@P2) t0.[id]
+FROM [dbo].[customer] AS t0
+WHERE (region = N'EU') AND (t0.[id] > TRY_CONVERT(int, @P1))
+ORDER BY t0.[id];
+

@@ -93,5 +93,41 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND obje
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
     CREATE INDEX [outbox_entity_key] ON [skein].[outbox] ([entity], [key], [id]);
 
+-- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A
+-- run selects root keys of an entity and queues them a chunk per transaction,
+-- with its cursor (the last key or index queued): a killed run resumes after
+-- it. Each partition's applier takes its queued keys, publishes them in its
+-- own fenced batch transaction and deletes them there: exactly once, and in
+-- order with the stream of that partition.
+IF OBJECT_ID(N'[skein].[explicit_run]', N'U') IS NULL
+CREATE TABLE [skein].[explicit_run] (
+  [id]         bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,
+  [group_name] nvarchar(200) NOT NULL,
+  [entity]     nvarchar(200) NOT NULL,
+  [selection]  nvarchar(max) NOT NULL,
+  [republish]  bit           NOT NULL DEFAULT 0,
+  [initial]    bit           NOT NULL DEFAULT 0,
+  [state]      nvarchar(40)  NOT NULL DEFAULT N'selecting',
+  [cursor]     nvarchar(max) NULL,
+  [queued]     bigint        NOT NULL DEFAULT 0,
+  [created_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
+  [updated_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()
+);
+IF OBJECT_ID(N'[skein].[explicit_queue]', N'U') IS NULL
+CREATE TABLE [skein].[explicit_queue] (
+  [id]         bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,
+  [run_id]     bigint        NOT NULL REFERENCES [skein].[explicit_run] ([id]),
+  [group_name] nvarchar(200) NOT NULL,
+  [topic]      nvarchar(400) NOT NULL,
+  [partition]  int           NOT NULL,
+  [entity]     nvarchar(200) NOT NULL,
+  [key]        nvarchar(900) NOT NULL,
+  [republish]  bit           NOT NULL DEFAULT 0
+);
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition' AND object_id = OBJECT_ID(N'[skein].[explicit_queue]'))
+    CREATE INDEX [explicit_queue_partition] ON [skein].[explicit_queue] ([group_name], [topic], [partition], [id]);
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID(N'[skein].[explicit_queue]'))
+    CREATE INDEX [explicit_queue_run] ON [skein].[explicit_queue] ([run_id]);
+
 IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 6)
     INSERT INTO [skein].[schema_version] ([version]) VALUES (6);

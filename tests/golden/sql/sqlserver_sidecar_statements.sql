@@ -75,3 +75,30 @@ UPDATE [skein].[progress] SET [position] = @P5, [source_commit] = NULL, [source_
 
 -- replay --republish: forget two versions
 DELETE FROM [skein].[version] WHERE [entity] = @P1 AND [key] IN (@P2, @P3);
+
+-- explicit: the unfinished run to resume
+SELECT TOP (1) [id], [cursor], [queued] FROM [skein].[explicit_run] WHERE [group_name] = @P1 AND [entity] = @P2 AND [selection] = @P3 AND [republish] = @P4 AND [initial] = @P5 AND [state] = N'selecting' ORDER BY [id];
+
+-- explicit: a new run
+INSERT INTO [skein].[explicit_run] ([group_name], [entity], [selection], [republish], [initial]) OUTPUT INSERTED.[id] VALUES (@P1, @P2, @P3, @P4, @P5);
+
+-- explicit chunk 1: move the cursor
+UPDATE [skein].[explicit_run] SET [cursor] = @P3, [queued] = [queued] + @P4, [state] = @P5, [updated_at] = SYSUTCDATETIME() WHERE [id] = @P1 AND ([cursor] = @P2 OR ([cursor] IS NULL AND @P2 IS NULL)) AND [state] = N'selecting';
+
+-- explicit chunk 2: queue two keys
+INSERT INTO [skein].[explicit_queue] ([run_id], [group_name], [topic], [partition], [entity], [key], [republish]) SELECT @P1, @P2, @P3, v.p, @P4, v.k, @P5 FROM (VALUES (0, @P6, @P7), (1, @P8, @P9)) AS v(ord, p, k) ORDER BY v.ord;
+
+-- explicit: a partition's queued keys
+SELECT TOP (@P4) [id], [entity], [key], [republish] FROM [skein].[explicit_queue] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 ORDER BY [id];
+
+-- batch transaction 1c: explicit keys before the first progress, lock
+SELECT 1 FROM [skein].[progress] WITH (UPDLOCK, HOLDLOCK) WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
+
+-- batch transaction 5: explicit keys off the queue
+DELETE FROM [skein].[explicit_queue] WHERE [id] IN (41, 42);
+
+-- status: explicit runs
+SELECT r.[id], r.[entity], r.[selection], r.[republish], r.[initial], r.[state], r.[cursor], r.[queued], (SELECT CAST(COUNT(*) AS bigint) FROM [skein].[explicit_queue] q WHERE q.[run_id] = r.[id]), CONVERT(nvarchar(19), r.[created_at], 126) + N'Z', CONVERT(nvarchar(19), r.[updated_at], 126) + N'Z' FROM [skein].[explicit_run] r WHERE r.[group_name] = @P1 AND (r.[state] = N'selecting' OR EXISTS (SELECT 1 FROM [skein].[explicit_queue] q WHERE q.[run_id] = r.[id]) OR r.[id] IN (SELECT TOP (@P2) [id] FROM [skein].[explicit_run] WHERE [group_name] = @P1 ORDER BY [id] DESC)) ORDER BY r.[id] DESC;
+
+-- explicit: one run
+SELECT r.[id], r.[entity], r.[selection], r.[republish], r.[initial], r.[state], r.[cursor], r.[queued], (SELECT CAST(COUNT(*) AS bigint) FROM [skein].[explicit_queue] q WHERE q.[run_id] = r.[id]), CONVERT(nvarchar(19), r.[created_at], 126) + N'Z', CONVERT(nvarchar(19), r.[updated_at], 126) + N'Z' FROM [skein].[explicit_run] r WHERE r.[id] = @P1;
