@@ -543,6 +543,11 @@ fn sqlserver_sidecar_statements_are_frozen() {
         ),
         ("status: explicit runs", sc::explicit_runs_sql(s)),
         ("explicit: one run", sc::explicit_run_sql(s)),
+        ("global identifiers of 2 keys", sc::identifiers_sql(s, 2)),
+        (
+            "batch transaction: new global identifiers (2 rows)",
+            sc::identifiers_insert_sql(s, 2),
+        ),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))

@@ -255,7 +255,32 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
         upsert_versions(c, schema, chunk).await?;
     }
 
-    // 5. Explicit keys published by this batch leave the queue.
+    // 5. Global identifiers first assigned by this batch.
+    let mut inserted = 0;
+    for rows in b.identifiers.chunks(MAX_PARAMS / sc::IDENTIFIER_PARAMS) {
+        let mut params: Vec<&dyn tiberius::ToSql> = Vec::with_capacity(rows.len() * 3);
+        for r in rows {
+            params.push(&r.entity);
+            params.push(&r.key);
+            params.push(&r.global_id);
+        }
+        inserted += c
+            .execute(
+                "inserting global identifiers",
+                &sc::identifiers_insert_sql(schema, rows.len()),
+                &params,
+            )
+            .await?;
+    }
+    if inserted != b.identifiers.len() as u64 {
+        return Err(Error::Fenced {
+            partition: b.partition,
+            expected: b.expected,
+            found: b.expected,
+        });
+    }
+
+    // 6. Explicit keys published by this batch leave the queue.
     if !b.explicit.is_empty() {
         let mut taken = 0;
         for ids in b.explicit.chunks(MAX_IDS) {
@@ -443,12 +468,29 @@ impl Sidecar for MssqlSidecar {
     async fn identifiers(
         &mut self,
         entity: &str,
-        _keys: &[String],
+        keys: &[String],
     ) -> Result<HashMap<String, String>> {
-        Err(Error::Data(format!(
-            "entity `{entity}`: identifier mapping on a SQL Server sidecar is not built yet \
-             (a PostgreSQL sidecar has it)"
-        )))
+        let mut out = HashMap::new();
+        for chunk in keys.chunks(MAX_PARAMS - 1) {
+            let mut params: Vec<&dyn tiberius::ToSql> = vec![&entity];
+            for k in chunk {
+                params.push(k);
+            }
+            let rows = self
+                .client
+                .query(
+                    "reading global identifiers",
+                    &sc::identifiers_sql(&self.schema, chunk.len()),
+                    &params,
+                )
+                .await?;
+            for r in rows {
+                if let (Some(k), Some(g)) = (text(r.first()), text(r.get(1))) {
+                    out.insert(k, g);
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {

@@ -420,11 +420,12 @@ pub fn identifiers_sql(schema: &str) -> String {
 /// New global identifiers from parallel arrays `$1` entities, `$2` keys,
 /// `$3` ids, inside the batch transaction. A conflict (another batch
 /// assigned one meanwhile) inserts fewer rows than given: the batch is
-/// then fenced and built again with the stored one.
+/// then fenced and built again with the stored one. A global id another
+/// aggregate of the entity has (a duplicate pre-assigned value) is an error.
 pub fn identifiers_insert_sql(schema: &str) -> String {
     format!(
         "INSERT INTO {}.\"identifier_mapping\" (entity, key, global_id) \
-         SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT DO NOTHING",
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT (entity, key) DO NOTHING",
         qi(schema)
     )
 }

@@ -783,10 +783,26 @@ pub fn sidecar_ddl(schema: &str) -> String {
         "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition' AND object_id = OBJECT_ID({q}))\n    \
          CREATE INDEX [explicit_queue_partition] ON {s}.[explicit_queue] ([group_name], [topic], [partition], [id]);\n\
          IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID({q}))\n    \
-         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n\n\
-         IF NOT EXISTS (SELECT 1 FROM {s}.[schema_version] WHERE [version] = {v})\n    \
-         INSERT INTO {s}.[schema_version] ([version]) VALUES ({v});\n",
+         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n",
         q = ql(&format!("{s}.[explicit_queue]")),
+    );
+    out += "\n-- Version 6: global identifiers (`identifier_mapping: true`), nTangle's\n\
+            -- IdentifierMapping. Written in the batch transaction of an aggregate's\n\
+            -- first event, then read back for every later one (replays and explicit\n\
+            -- runs included): stable. A row inserted beforehand pre-assigns the id.\n";
+    out += &table(
+        "identifier_mapping",
+        "  [entity]     nvarchar(200) NOT NULL,\n  \
+         [key]        nvarchar(900) NOT NULL,\n  \
+         [global_id]  nvarchar(400) NOT NULL,\n  \
+         [created_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
+         PRIMARY KEY ([entity], [key]),\n  \
+         UNIQUE ([entity], [global_id])",
+    );
+    let _ = write!(
+        out,
+        "\nIF NOT EXISTS (SELECT 1 FROM {s}.[schema_version] WHERE [version] = {v})\n    \
+         INSERT INTO {s}.[schema_version] ([version]) VALUES ({v});\n",
         v = SIDECAR_SCHEMA_VERSION,
     );
     out

@@ -447,3 +447,39 @@ pub fn explicit_runs_sql(schema: &str) -> String {
 pub fn explicit_run_sql(schema: &str) -> String {
     format!("{} WHERE r.[id] = @P1", explicit_run_select(&qi(schema)))
 }
+
+/// Parameters per row of [`identifiers_insert_sql`].
+pub const IDENTIFIER_PARAMS: usize = 3;
+
+/// The global identifiers of `keys` keys of entity `@P1` (keys from
+/// `@P2`). Columns: key, global_id.
+pub fn identifiers_sql(schema: &str, keys: usize) -> String {
+    let list: Vec<String> = (0..keys).map(|i| format!("@P{}", i + 2)).collect();
+    format!(
+        "SELECT [key], [global_id] FROM {}.[identifier_mapping] WHERE [entity] = @P1 AND [key] IN ({})",
+        qi(schema),
+        list.join(", ")
+    )
+}
+
+/// New global identifiers, `rows` rows of (entity, key, global_id), inside
+/// the batch transaction; a key that has one already (another batch
+/// assigned it meanwhile) is not inserted, and fewer rows than given fence
+/// the batch, which is built again with the stored one. A global id
+/// another aggregate of the entity has is an error (the unique key).
+pub fn identifiers_insert_sql(schema: &str, rows: usize) -> String {
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let p = r * IDENTIFIER_PARAMS;
+            format!("(@P{}, @P{}, @P{})", p + 1, p + 2, p + 3)
+        })
+        .collect();
+    let s = qi(schema);
+    format!(
+        "INSERT INTO {s}.[identifier_mapping] ([entity], [key], [global_id]) \
+         SELECT v.e, v.k, v.g FROM (VALUES {}) AS v(e, k, g) \
+         WHERE NOT EXISTS (SELECT 1 FROM {s}.[identifier_mapping] t WITH (UPDLOCK, HOLDLOCK) \
+         WHERE t.[entity] = v.e AND t.[key] = v.k)",
+        values.join(", ")
+    )
+}

@@ -117,4 +117,4 @@ SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor",
 SELECT key, global_id FROM "skein"."identifier_mapping" WHERE entity = $1 AND key = ANY($2);
 
 -- batch transaction 5: new global identifiers
-INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT DO NOTHING;
+INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT (entity, key) DO NOTHING;

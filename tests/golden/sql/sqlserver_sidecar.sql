@@ -129,5 +129,19 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID(N'[skein].[explicit_queue]'))
     CREATE INDEX [explicit_queue_run] ON [skein].[explicit_queue] ([run_id]);
 
+-- Version 6: global identifiers (`identifier_mapping: true`), nTangle's
+-- IdentifierMapping. Written in the batch transaction of an aggregate's
+-- first event, then read back for every later one (replays and explicit
+-- runs included): stable. A row inserted beforehand pre-assigns the id.
+IF OBJECT_ID(N'[skein].[identifier_mapping]', N'U') IS NULL
+CREATE TABLE [skein].[identifier_mapping] (
+  [entity]     nvarchar(200) NOT NULL,
+  [key]        nvarchar(900) NOT NULL,
+  [global_id]  nvarchar(400) NOT NULL,
+  [created_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
+  PRIMARY KEY ([entity], [key]),
+  UNIQUE ([entity], [global_id])
+);
+
 IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 6)
     INSERT INTO [skein].[schema_version] ([version]) VALUES (6);

@@ -102,3 +102,9 @@ SELECT r.[id], r.[entity], r.[selection], r.[republish], r.[initial], r.[state],
 
 -- explicit: one run
 SELECT r.[id], r.[entity], r.[selection], r.[republish], r.[initial], r.[state], r.[cursor], r.[queued], (SELECT CAST(COUNT(*) AS bigint) FROM [skein].[explicit_queue] q WHERE q.[run_id] = r.[id]), CONVERT(nvarchar(19), r.[created_at], 126) + N'Z', CONVERT(nvarchar(19), r.[updated_at], 126) + N'Z' FROM [skein].[explicit_run] r WHERE r.[id] = @P1;
+
+-- global identifiers of 2 keys
+SELECT [key], [global_id] FROM [skein].[identifier_mapping] WHERE [entity] = @P1 AND [key] IN (@P2, @P3);
+
+-- batch transaction: new global identifiers (2 rows)
+INSERT INTO [skein].[identifier_mapping] ([entity], [key], [global_id]) SELECT v.e, v.k, v.g FROM (VALUES (@P1, @P2, @P3), (@P4, @P5, @P6)) AS v(e, k, g) WHERE NOT EXISTS (SELECT 1 FROM [skein].[identifier_mapping] t WITH (UPDLOCK, HOLDLOCK) WHERE t.[entity] = v.e AND t.[key] = v.k);
