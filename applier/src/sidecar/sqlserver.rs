@@ -351,6 +351,32 @@ async fn upsert_versions(c: &mut MssqlClient, schema: &str, rows: &[VersionRow])
     Ok(())
 }
 
+impl MssqlSidecar {
+    /// The rows `sql(schema, n)` returns for entity `@P1` and `n` keys
+    /// from `@P2`, in chunks that fit the parameter limit.
+    async fn rows_by_key(
+        &mut self,
+        what: &str,
+        sql: fn(&str, usize) -> String,
+        entity: &str,
+        keys: &[String],
+    ) -> Result<Vec<Vec<SqlValue>>> {
+        let mut out = vec![];
+        for chunk in keys.chunks(MAX_PARAMS - 1) {
+            let mut params: Vec<&dyn tiberius::ToSql> = vec![&entity];
+            for k in chunk {
+                params.push(k);
+            }
+            out.extend(
+                self.client
+                    .query(what, &sql(&self.schema, chunk.len()), &params)
+                    .await?,
+            );
+        }
+        Ok(out)
+    }
+}
+
 impl Sidecar for MssqlSidecar {
     /// Creates or upgrades the schema, serialised by an application lock
     /// (appliers starting together would race on `IF … CREATE TABLE`).
@@ -470,55 +496,36 @@ impl Sidecar for MssqlSidecar {
         entity: &str,
         keys: &[String],
     ) -> Result<HashMap<String, String>> {
-        let mut out = HashMap::new();
-        for chunk in keys.chunks(MAX_PARAMS - 1) {
-            let mut params: Vec<&dyn tiberius::ToSql> = vec![&entity];
-            for k in chunk {
-                params.push(k);
-            }
-            let rows = self
-                .client
-                .query(
-                    "reading global identifiers",
-                    &sc::identifiers_sql(&self.schema, chunk.len()),
-                    &params,
-                )
-                .await?;
-            for r in rows {
-                if let (Some(k), Some(g)) = (text(r.first()), text(r.get(1))) {
-                    out.insert(k, g);
-                }
-            }
-        }
-        Ok(out)
+        let rows = self
+            .rows_by_key(
+                "reading global identifiers",
+                sc::identifiers_sql,
+                entity,
+                keys,
+            )
+            .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|r| Some((text(r.first())?, text(r.get(1))?)))
+            .collect())
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
-        let mut out = HashMap::new();
-        for chunk in keys.chunks(MAX_PARAMS - 1) {
-            let mut params: Vec<&dyn tiberius::ToSql> = vec![&entity];
-            for k in chunk {
-                params.push(k);
-            }
-            let rows = self
-                .client
-                .query(
-                    "reading versions",
-                    &sc::versions_sql(&self.schema, chunk.len()),
-                    &params,
-                )
-                .await?;
-            for r in rows {
-                out.insert(
+        let rows = self
+            .rows_by_key("reading versions", sc::versions_sql, entity, keys)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                (
                     text(r.first()).unwrap_or_default(),
                     Stored {
                         etag: text(r.get(1)),
                         is_deleted: matches!(r.get(2), Some(SqlValue::Int(1))),
                     },
-                );
-            }
-        }
-        Ok(out)
+                )
+            })
+            .collect())
     }
 
     async fn published_keys(
