@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{admin_url, connect, recreate_db};
-use skein_applier::relay::{relay_once, run_relay, RelayScope};
+use skein_applier::relay::{purge, relay_once, run_relay, RelayScope, RelaySettings};
 use skein_applier::sidecar::{
     AnySidecar, BatchCommit, ExplicitChunk, Fence, NewRun, OutboxRow, PgSidecar, Rewind, Sidecar,
     VersionRow,
@@ -448,6 +448,42 @@ fn ms_lsn(b: u8) -> SourcePosition {
     SqlServerLsn(l).into()
 }
 
+fn settings(batch: i64) -> RelaySettings {
+    RelaySettings {
+        batch,
+        poll: Duration::from_millis(50),
+        retention: Duration::from_secs(7 * 24 * 3600),
+    }
+}
+
+/// The retention purge deletes relayed rows past their retention, a chunk
+/// at a time, and never a pending one.
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_sidecar_purges_only_relayed_rows_past_their_retention() {
+    let url = pg_db("skein_t_contract_purge").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    sc.commit(&batch(None, 10, pg_lsn(1), 1, 1)).await.unwrap();
+    relay_all(&mut sc).await;
+    sc.commit(&batch(Some(10), 20, pg_lsn(2), 3, 2))
+        .await
+        .unwrap();
+    let cancel = CancellationToken::new();
+    // Within the retention: nothing goes.
+    let kept = purge(&mut sc, Duration::from_secs(3600), &cancel)
+        .await
+        .unwrap();
+    assert_eq!(kept, 0);
+    // Past it: the two relayed rows go, the two pending stay.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let gone = purge(&mut sc, Duration::from_secs(1), &cancel)
+        .await
+        .unwrap();
+    assert_eq!(gone, 2);
+    assert_eq!(sc.pending().await.unwrap().0, 2);
+    assert_eq!(relay_all(&mut sc).await.len(), 2);
+}
+
 /// A fresh database; its URL.
 async fn pg_db(db: &str) -> Secret {
     let admin = connect(&admin_url()).await;
@@ -722,7 +758,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
     let relay_a = tokio::spawn(run_relay(
         PgSidecar::connect(&url, "skein").await.unwrap(),
         Box::new(Tagged("a", log.clone(), Duration::from_millis(15))),
-        3,
+        settings(3),
         RelayScope::Partitions(owned_a.clone()),
         "apply a".into(),
         cancel_a.clone(),
@@ -730,7 +766,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
     let relay_b = tokio::spawn(run_relay(
         AnySidecar::connect(&url, "skein").await.unwrap(),
         Box::new(Tagged("b", log.clone(), Duration::ZERO)),
-        2,
+        settings(2),
         RelayScope::Partitions(owned_b.clone()),
         "apply b".into(),
         cancel_b.clone(),

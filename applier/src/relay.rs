@@ -54,6 +54,52 @@ pub async fn relay_once<S: Sidecar>(
 /// How often a running relay refreshes its reported state.
 const HEARTBEAT: Duration = Duration::from_secs(10);
 
+/// How often an idle relay purges relayed outbox rows past their retention.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+/// Rows per purge transaction.
+const PURGE_CHUNK: i64 = 10_000;
+
+/// A relay's tuning, from the config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RelaySettings {
+    /// Outbox rows per relay transaction (`sink.relay_batch`).
+    pub batch: i64,
+    /// How long an idle relay waits before it looks again (`sink.relay_poll_ms`).
+    pub poll: Duration,
+    /// How long relayed rows are kept (`sidecar.outbox_retention_secs`).
+    pub retention: Duration,
+}
+
+impl RelaySettings {
+    /// The configured settings.
+    pub fn from_config(cfg: &skein_common::config::Config) -> RelaySettings {
+        RelaySettings {
+            batch: cfg.relay_batch,
+            poll: Duration::from_millis(cfg.relay_poll_ms),
+            retention: Duration::from_secs(cfg.sidecar.outbox_retention_secs),
+        }
+    }
+}
+
+/// Deletes relayed outbox rows past `retention`, a chunk per transaction,
+/// until none is left or `cancel` fires; returns how many.
+pub async fn purge<S: Sidecar>(
+    sidecar: &mut S,
+    retention: Duration,
+    cancel: &CancellationToken,
+) -> Result<u64> {
+    let secs = i64::try_from(retention.as_secs()).unwrap_or(i64::MAX);
+    let mut total = 0;
+    loop {
+        let n = sidecar.purge_outbox(secs, PURGE_CHUNK).await?;
+        total += n;
+        if n < PURGE_CHUNK as u64 || cancel.is_cancelled() {
+            return Ok(total);
+        }
+    }
+}
+
 /// First and longest wait between attempts after a transient failure.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(200), Duration::from_secs(30));
 
@@ -72,7 +118,7 @@ pub fn is_transient(e: &Error) -> bool {
 pub async fn run_relay<S: Sidecar + Send>(
     mut sidecar: S,
     mut sink: Box<dyn Sink>,
-    limit: i64,
+    settings: RelaySettings,
     scope: RelayScope,
     name: String,
     cancel: CancellationToken,
@@ -115,11 +161,12 @@ pub async fn run_relay<S: Sidecar + Send>(
         }
         report(&mut sidecar, &name, "running", None).await;
         let mut reported = Instant::now();
+        let mut purged: Option<Instant> = None;
         let mut total = 0usize;
         let mut backoff = BACKOFF.0;
         let mut failures = 0u32;
         loop {
-            let n = match relay_once(&mut sidecar, sink.as_mut(), limit, &scope).await {
+            let n = match relay_once(&mut sidecar, sink.as_mut(), settings.batch, &scope).await {
                 Ok(n) => n,
                 Err(e) if is_transient(&e) => {
                     failures += 1;
@@ -160,8 +207,18 @@ pub async fn run_relay<S: Sidecar + Send>(
                 report(&mut sidecar, &name, "running", None).await;
                 reported = Instant::now();
             }
+            // Idle: relayed rows past their retention go, in chunks. A
+            // failure is said and tried again at the next purge.
+            if purged.is_none_or(|t| t.elapsed() > PURGE_EVERY) {
+                purged = Some(Instant::now());
+                match purge(&mut sidecar, settings.retention, &cancel).await {
+                    Ok(0) => {}
+                    Ok(n) => info!(deleted = n, retention_s = settings.retention.as_secs(), "relayed outbox rows past their retention deleted"),
+                    Err(e) => warn!(error = %e, "purging relayed outbox rows failed; trying again later"),
+                }
+            }
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                _ = tokio::time::sleep(settings.poll) => {}
                 _ = cancel.cancelled() => {}
             }
         }

@@ -29,7 +29,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
         Some(tokio::spawn(run_relay(
             sidecar(&cfg).await?,
             make_sink(&cfg)?,
-            cfg.relay_batch,
+            skein_applier::relay::RelaySettings::from_config(&cfg),
             RelayScope::Partitions(owned.clone()),
             format!(
                 "apply {}",

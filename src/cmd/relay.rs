@@ -12,7 +12,7 @@ pub async fn relay(cfg: Config) -> anyhow::Result<()> {
     run_relay(
         sidecar(&cfg).await?,
         make_sink(&cfg)?,
-        cfg.relay_batch,
+        skein_applier::relay::RelaySettings::from_config(&cfg),
         RelayScope::All,
         "relay".into(),
         cancel,

@@ -46,7 +46,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let mut relay = tokio::spawn(run_relay(
         sidecar(&cfg).await?,
         make_sink(&cfg)?,
-        cfg.relay_batch,
+        skein_applier::relay::RelaySettings::from_config(&cfg),
         RelayScope::All,
         "relay".into(),
         relay_cancel.clone(),

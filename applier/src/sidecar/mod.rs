@@ -489,6 +489,15 @@ pub trait Sidecar {
     /// Every relay's last reported state.
     fn relay_states(&mut self) -> impl Future<Output = Result<Vec<RelayState>>> + Send;
 
+    /// Deletes at most `limit` outbox rows relayed more than
+    /// `older_than_secs` seconds ago, in one transaction; returns how many.
+    /// Pending rows are never touched.
+    fn purge_outbox(
+        &mut self,
+        older_than_secs: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64>> + Send;
+
     /// Finds the unfinished run identical to `run` (same group, entity,
     /// selection, republish and initial) to resume it, or creates one.
     fn explicit_start(&mut self, run: &NewRun) -> impl Future<Output = Result<ExplicitRun>> + Send;
@@ -779,6 +788,10 @@ impl Sidecar for AnySidecar {
 
     async fn relay_states(&mut self) -> Result<Vec<RelayState>> {
         delegate!(self, s => s.relay_states().await)
+    }
+
+    async fn purge_outbox(&mut self, older_than_secs: i64, limit: i64) -> Result<u64> {
+        delegate!(self, s => s.purge_outbox(older_than_secs, limit).await)
     }
 
     async fn explicit_start(&mut self, run: &NewRun) -> Result<ExplicitRun> {

@@ -544,6 +544,14 @@ impl Sidecar for PgSidecar {
             .collect())
     }
 
+    async fn purge_outbox(&mut self, older_than_secs: i64, limit: i64) -> Result<u64> {
+        let secs = older_than_secs as f64;
+        self.client
+            .execute(&sc::purge_outbox_sql(&self.schema), &[&secs, &limit])
+            .await
+            .map_err(db("deleting relayed outbox rows past their retention"))
+    }
+
     async fn identifiers(
         &mut self,
         entity: &str,

@@ -491,6 +491,17 @@ impl Sidecar for MssqlSidecar {
         Ok(())
     }
 
+    async fn purge_outbox(&mut self, older_than_secs: i64, limit: i64) -> Result<u64> {
+        Ok(self
+            .client
+            .execute(
+                "deleting relayed outbox rows past their retention",
+                &sc::purge_outbox_sql(&self.schema),
+                &[&older_than_secs, &limit],
+            )
+            .await?)
+    }
+
     async fn identifiers(
         &mut self,
         entity: &str,

@@ -37,6 +37,10 @@ pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
 pub const DEFAULT_RETENTION_WARN_FRACTION: f64 = 0.8;
 /// Default number of outbox rows the relay sends per transaction.
 pub const DEFAULT_RELAY_BATCH: i64 = 500;
+/// `sink.relay_poll_ms` by default.
+pub const DEFAULT_RELAY_POLL_MS: u64 = 50;
+/// `sidecar.outbox_retention_secs` by default: 7 days.
+pub const DEFAULT_OUTBOX_RETENTION_SECS: u64 = 7 * 24 * 3600;
 /// Default state directory (sled marker).
 pub const DEFAULT_STATE_DIR: &str = ".skein";
 /// Default CloudEvents `source` prefix.
@@ -69,6 +73,8 @@ pub struct Config {
     pub sink: Sink,
     /// Outbox rows per relay transaction (`sink.relay_batch`).
     pub relay_batch: i64,
+    /// How long an idle relay waits before it looks again (`sink.relay_poll_ms`).
+    pub relay_poll_ms: u64,
     /// `sink.on_reject`.
     pub on_reject: OnReject,
     /// CloudEvent naming.
@@ -265,6 +271,14 @@ pub struct SidecarConfig {
     /// Schema of the sidecar tables.
     #[serde(default = "default_sidecar_schema")]
     pub schema: String,
+    /// How long a relayed (dequeued) outbox row is kept before the relay
+    /// deletes it, in bounded chunks; 0 deletes it at the next purge.
+    #[serde(default = "default_outbox_retention")]
+    pub outbox_retention_secs: u64,
+}
+
+fn default_outbox_retention() -> u64 {
+    DEFAULT_OUTBOX_RETENTION_SECS
 }
 
 fn default_sidecar_schema() -> String {
@@ -277,6 +291,7 @@ impl Default for SidecarConfig {
         SidecarConfig {
             url: None,
             schema: default_sidecar_schema(),
+            outbox_retention_secs: DEFAULT_OUTBOX_RETENTION_SECS,
         }
     }
 }
@@ -566,6 +581,23 @@ entities:
             matches!(&c.sink, Sink::Kafka { brokers, topic_prefix, .. } if brokers == "b" && topic_prefix == "ev")
         );
         assert_eq!(c.relay_batch, 7);
+        assert_eq!(c.relay_poll_ms, DEFAULT_RELAY_POLL_MS);
+        assert_eq!(
+            c.sidecar.outbox_retention_secs,
+            DEFAULT_OUTBOX_RETENTION_SECS
+        );
+        let c = with("sink: { kind: stdout, relay_poll_ms: 5 }").unwrap();
+        assert_eq!(c.relay_poll_ms, 5);
+        let c = Config::from_yaml(
+            &SAMPLE.replace(
+                "sidecar: { schema: skein }",
+                "sidecar: { schema: skein, outbox_retention_secs: 0 }",
+            ),
+            "t.yaml",
+        )
+        .unwrap();
+        assert_eq!(c.sidecar.outbox_retention_secs, 0);
+        assert!(with("sink: { kind: stdout, relay_poll_ms: 0 }").is_err());
         assert_eq!(c.on_reject, OnReject::Stop, "the default stops");
         let c = with("sink: { kind: kafka, brokers: b, topic_prefix: ev, on_reject: dead_letter }")
             .unwrap();

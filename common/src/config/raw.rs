@@ -215,6 +215,9 @@ pub struct SinkConfig {
     /// Outbox rows per relay transaction.
     #[serde(default = "default_relay_batch")]
     pub relay_batch: i64,
+    /// How long an idle relay waits before it looks for new outbox rows.
+    #[serde(default = "default_relay_poll_ms")]
+    pub relay_poll_ms: u64,
     /// An event the sink rejects for good: `stop` (default) or `dead_letter`.
     #[serde(default)]
     pub on_reject: OnReject,
@@ -222,6 +225,10 @@ pub struct SinkConfig {
 
 fn default_relay_batch() -> i64 {
     DEFAULT_RELAY_BATCH
+}
+
+fn default_relay_poll_ms() -> u64 {
+    super::DEFAULT_RELAY_POLL_MS
 }
 
 impl Default for SinkConfig {
@@ -235,6 +242,7 @@ impl Default for SinkConfig {
             mode: EventMode::Structured,
             kafka_properties: BTreeMap::new(),
             relay_batch: DEFAULT_RELAY_BATCH,
+            relay_poll_ms: super::DEFAULT_RELAY_POLL_MS,
             on_reject: OnReject::Stop,
         }
     }

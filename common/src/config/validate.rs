@@ -138,6 +138,12 @@ impl RawConfig {
                 "must be at least 1".into(),
             ));
         }
+        if self.sink.relay_poll_ms == 0 {
+            return Err(err(
+                &[Key("sink"), Key("relay_poll_ms")],
+                "must be at least 1".into(),
+            ));
+        }
         if self.extractor.max_batch_changes == 0 {
             return Err(err(
                 &[Key("extractor"), Key("max_batch_changes")],
@@ -295,6 +301,7 @@ impl RawConfig {
             transport,
             sink,
             relay_batch: k.relay_batch,
+            relay_poll_ms: k.relay_poll_ms,
             on_reject: k.on_reject,
             events: self.events,
             state_dir: self.state_dir,

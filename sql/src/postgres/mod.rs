@@ -405,6 +405,10 @@ CREATE TABLE IF NOT EXISTS {s}."explicit_queue" (
 CREATE INDEX IF NOT EXISTS "explicit_queue_partition" ON {s}."explicit_queue" ("group_name", "topic", "partition", "id");
 CREATE INDEX IF NOT EXISTS "explicit_queue_run" ON {s}."explicit_queue" ("run_id");
 
+-- Version 6: relayed outbox rows are deleted after
+-- `sidecar.outbox_retention_secs`, a chunk at a time, by the relay.
+CREATE INDEX IF NOT EXISTS "outbox_dequeued" ON {s}."outbox" ("dequeued_at") WHERE "dequeued_at" IS NOT NULL;
+
 -- Version 6: global identifiers (`identifier_mapping: true`), nTangle's
 -- IdentifierMapping. Written in the batch transaction of an aggregate's
 -- first event, then read back for every later one (replays and explicit

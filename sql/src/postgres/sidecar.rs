@@ -429,3 +429,14 @@ pub fn identifiers_insert_sql(schema: &str) -> String {
         qi(schema)
     )
 }
+
+/// Deletes at most `$2` outbox rows relayed more than `$1` seconds ago
+/// (a chunk of the retention purge), skipping rows another transaction
+/// holds; returns how many it deleted.
+pub fn purge_outbox_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "DELETE FROM {s}.\"outbox\" WHERE id IN (SELECT id FROM {s}.\"outbox\" \
+         WHERE dequeued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE SKIP LOCKED)"
+    )
+}

@@ -783,8 +783,13 @@ pub fn sidecar_ddl(schema: &str) -> String {
         "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition' AND object_id = OBJECT_ID({q}))\n    \
          CREATE INDEX [explicit_queue_partition] ON {s}.[explicit_queue] ([group_name], [topic], [partition], [id]);\n\
          IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID({q}))\n    \
-         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n",
+         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n\n\
+         -- Version 6: relayed outbox rows are deleted after\n\
+         -- `sidecar.outbox_retention_secs`, a chunk at a time, by the relay.\n\
+         IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_dequeued' AND object_id = OBJECT_ID({o}))\n    \
+         CREATE INDEX [outbox_dequeued] ON {s}.[outbox] ([dequeued_at]) WHERE [dequeued_at] IS NOT NULL;\n",
         q = ql(&format!("{s}.[explicit_queue]")),
+        o = ql(&format!("{s}.[outbox]")),
     );
     out += "\n-- Version 6: global identifiers (`identifier_mapping: true`), nTangle's\n\
             -- IdentifierMapping. Written in the batch transaction of an aggregate's\n\

@@ -483,3 +483,14 @@ pub fn identifiers_insert_sql(schema: &str, rows: usize) -> String {
         values.join(", ")
     )
 }
+
+/// Deletes at most `@P2` outbox rows relayed more than `@P1` seconds ago
+/// (a chunk of the retention purge), skipping rows another transaction
+/// holds (`READPAST`).
+pub fn purge_outbox_sql(schema: &str) -> String {
+    format!(
+        "DELETE TOP (@P2) FROM {}.[outbox] WITH (READPAST) \
+         WHERE [dequeued_at] < DATEADD(second, -@P1, SYSUTCDATETIME())",
+        qi(schema)
+    )
+}

@@ -116,5 +116,8 @@ SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor",
 -- global identifiers of some keys
 SELECT key, global_id FROM "skein"."identifier_mapping" WHERE entity = $1 AND key = ANY($2);
 
+-- relay: purge relayed rows past their retention
+DELETE FROM "skein"."outbox" WHERE id IN (SELECT id FROM "skein"."outbox" WHERE dequeued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE SKIP LOCKED);
+
 -- batch transaction 5: new global identifiers
 INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT (entity, key) DO NOTHING;

@@ -129,6 +129,11 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID(N'[skein].[explicit_queue]'))
     CREATE INDEX [explicit_queue_run] ON [skein].[explicit_queue] ([run_id]);
 
+-- Version 6: relayed outbox rows are deleted after
+-- `sidecar.outbox_retention_secs`, a chunk at a time, by the relay.
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_dequeued' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
+    CREATE INDEX [outbox_dequeued] ON [skein].[outbox] ([dequeued_at]) WHERE [dequeued_at] IS NOT NULL;
+
 -- Version 6: global identifiers (`identifier_mapping: true`), nTangle's
 -- IdentifierMapping. Written in the batch transaction of an aggregate's
 -- first event, then read back for every later one (replays and explicit

@@ -106,5 +106,8 @@ SELECT r.[id], r.[entity], r.[selection], r.[republish], r.[initial], r.[state],
 -- global identifiers of 2 keys
 SELECT [key], [global_id] FROM [skein].[identifier_mapping] WHERE [entity] = @P1 AND [key] IN (@P2, @P3);
 
+-- relay: purge relayed rows past their retention
+DELETE TOP (@P2) FROM [skein].[outbox] WITH (READPAST) WHERE [dequeued_at] < DATEADD(second, -@P1, SYSUTCDATETIME());
+
 -- batch transaction: new global identifiers (2 rows)
 INSERT INTO [skein].[identifier_mapping] ([entity], [key], [global_id]) SELECT v.e, v.k, v.g FROM (VALUES (@P1, @P2, @P3), (@P4, @P5, @P6)) AS v(e, k, g) WHERE NOT EXISTS (SELECT 1 FROM [skein].[identifier_mapping] t WITH (UPDLOCK, HOLDLOCK) WHERE t.[entity] = v.e AND t.[key] = v.k);
