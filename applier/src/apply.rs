@@ -691,7 +691,10 @@ impl<S: Sidecar> Applier<S> {
             }
         };
         failpoint("applier.after_sidecar");
-        self.progress = Some(Some(Progress {
+        // An explicit batch before the partition's first commit wrote no
+        // progress row (it only locked the absent one): there is none.
+        let explicit_first = expected.is_none() && !commit.explicit.is_empty();
+        self.progress = Some((!explicit_first).then(|| Progress {
             position: step.position,
             source: step.source,
             recheck_after: step.recheck_after,

@@ -544,7 +544,10 @@ fn sqlserver_sidecar_statements_are_frozen() {
         ("status: explicit runs", sc::explicit_runs_sql(s)),
         ("explicit: one run", sc::explicit_run_sql(s)),
         ("global identifiers of 2 keys", sc::identifiers_sql(s, 2)),
-        ("relay: purge relayed rows past their retention", sc::purge_outbox_sql(s)),
+        (
+            "relay: purge relayed rows past their retention",
+            sc::purge_outbox_sql(s),
+        ),
         (
             "batch transaction: new global identifiers (2 rows)",
             sc::identifiers_insert_sql(s, 2),
@@ -652,7 +655,10 @@ fn postgres_sidecar_statements_are_frozen() {
         ("status: explicit runs", sc::explicit_runs_sql(s)),
         ("explicit: one run", sc::explicit_run_sql(s)),
         ("global identifiers of some keys", sc::identifiers_sql(s)),
-        ("relay: purge relayed rows past their retention", sc::purge_outbox_sql(s)),
+        (
+            "relay: purge relayed rows past their retention",
+            sc::purge_outbox_sql(s),
+        ),
         (
             "batch transaction 5: new global identifiers",
             sc::identifiers_insert_sql(s),
