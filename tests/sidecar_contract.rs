@@ -553,18 +553,18 @@ async fn explicit_contract<S: Sidecar>(mut sc: S) {
     assert_eq!((st.state.as_str(), st.queued, st.pending), ("queued", 3, 3));
     assert!(!st.finished());
     let p0 = sc
-        .explicit_pending("contract", "in-process", 0, 10)
+        .explicit_pending("contract", "in-process", 0, 4, 10)
         .await
         .unwrap();
     let keys: Vec<&str> = p0.iter().map(|i| i.key.as_str()).collect();
     assert_eq!(keys, ["[\"1\"]", "[\"3\"]"]);
     let p1 = sc
-        .explicit_pending("contract", "in-process", 1, 10)
+        .explicit_pending("contract", "in-process", 1, 4, 10)
         .await
         .unwrap();
     assert_eq!(p1.len(), 1);
     assert!(sc
-        .explicit_pending("contract", "other-topic", 0, 10)
+        .explicit_pending("contract", "other-topic", 0, 4, 10)
         .await
         .unwrap()
         .is_empty());
@@ -604,7 +604,7 @@ async fn explicit_contract<S: Sidecar>(mut sc: S) {
         None
     );
     assert!(sc
-        .explicit_pending("contract", "in-process", 0, 10)
+        .explicit_pending("contract", "in-process", 0, 4, 10)
         .await
         .unwrap()
         .is_empty());

@@ -11,7 +11,7 @@ use skein_common::{ChangeRecord, Checkpoint, CheckpointKind, Dialect, RootKey};
 use skein_sql::postgres::{check_schema_change, describe_change, schema_stop};
 use skein_sql::Catalog;
 use skein_transporter::Delivery;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::decide::{consolidate, decide, decide_explicit, Action, Current};
 use crate::error::{Error, Result};
@@ -482,10 +482,49 @@ impl<S: Sidecar> Applier<S> {
         let expected = self.progress().await?;
         let items = self
             .sidecar
-            .explicit_pending(&self.cfg.name, &self.topic, self.partition, page)
+            .explicit_pending(
+                &self.cfg.name,
+                &self.topic,
+                self.partition,
+                self.cfg.transport.partitions(),
+                page,
+            )
             .await?;
         if items.is_empty() {
             return Ok(Applied::default());
+        }
+        // Keys queued under another partition count (`transport.partitions`
+        // changed since) belong to another partition's applier now: moved
+        // there, not published here, so each aggregate keeps one writer.
+        let partitions = self.cfg.transport.partitions();
+        let (items, moved): (Vec<_>, Vec<_>) = items.into_iter().partition(|it| {
+            RootKey::from_canonical(&it.key).is_none_or(|k| {
+                partition_for(&transport_key(&it.entity, &k), partitions) == self.partition
+            })
+        });
+        if !moved.is_empty() {
+            let moves: Vec<(i64, u32)> = moved
+                .iter()
+                .filter_map(|it| {
+                    let k = RootKey::from_canonical(&it.key)?;
+                    Some((
+                        it.id,
+                        partition_for(&transport_key(&it.entity, &k), partitions),
+                    ))
+                })
+                .collect();
+            info!(
+                partition = self.partition,
+                keys = moves.len(),
+                "explicit keys queued under another partition count: moved to their partitions"
+            );
+            self.sidecar.explicit_requeue(&moves).await?;
+            if items.is_empty() {
+                return Ok(Applied {
+                    records: moves.len(),
+                    ..Applied::default()
+                });
+            }
         }
         let now = chrono::Utc::now().timestamp_micros();
         let at = expected
@@ -503,6 +542,13 @@ impl<S: Sidecar> Applier<S> {
             let key = RootKey::from_canonical(&it.key).ok_or_else(|| {
                 Error::Data(format!("queued explicit key `{}` is not a key", it.key))
             })?;
+            // An entity no longer in the config: nothing to publish it as;
+            // the key leaves the queue with the batch.
+            if !self.hydrators.contains_key(&it.entity) {
+                warn!(partition = self.partition, entity = %it.entity, key = %it.key,
+                    "a queued explicit key of an entity no longer in the config is dropped");
+                continue;
+            }
             match index.get(&(it.entity.clone(), it.key.clone())) {
                 Some(i) => {
                     let c = &mut consolidated[*i];

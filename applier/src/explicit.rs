@@ -172,7 +172,13 @@ impl Run<'_> {
                         None => 0,
                     };
                     let end = (start + chunk).min(list.len());
-                    let keys = list.get(start..end).unwrap_or_default().to_vec();
+                    let keys = source
+                        .normalize_keys(
+                            &root,
+                            self.catalog,
+                            list.get(start..end).unwrap_or_default(),
+                        )
+                        .await?;
                     (keys, Some(end.to_string()), end >= list.len())
                 }
                 Selection::All | Selection::Where(_) => {

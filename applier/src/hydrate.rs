@@ -170,6 +170,39 @@ impl Source {
         }
     }
 
+    /// Given root keys as the source prints them (`01` → `1`, what the
+    /// stream and the version table use), so one aggregate is one key
+    /// whatever the operator typed; a value that is no value of the key
+    /// column's type is an error. SQL Server: as given (not normalised).
+    pub async fn normalize_keys(
+        &mut self,
+        root: &TableNode,
+        catalog: &Catalog,
+        keys: &[RootKey],
+    ) -> Result<Vec<RootKey>> {
+        match self {
+            Source::Postgres { client, .. } => {
+                let arrays = key_arrays(keys, catalog.key_columns(root).len());
+                let params = as_params(&arrays);
+                let rows = client
+                    .query(
+                        &skein_sql::postgres::normalize_keys_sql(root, catalog),
+                        &params,
+                    )
+                    .await
+                    .map_err(db(format!(
+                        "reading the given keys as keys of {}",
+                        root.qualified()
+                    )))?;
+                Ok(rows
+                    .iter()
+                    .map(|r| RootKey((0..r.len()).map(|i| r.get(i)).collect()))
+                    .collect())
+            }
+            Source::SqlServer(_) => Ok(keys.to_vec()),
+        }
+    }
+
     /// The dialect.
     pub fn dialect(&self) -> Dialect {
         match self {
@@ -543,13 +576,8 @@ impl EntityHydrator {
         client: &tokio_postgres::Client,
         keys: &[RootKey],
     ) -> Result<Vec<Current>> {
-        let arrays: Vec<Vec<Option<String>>> = (0..self.root_key.len())
-            .map(|c| keys.iter().map(|k| k.0.get(c).cloned().flatten()).collect())
-            .collect();
-        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
-            .iter()
-            .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
-            .collect();
+        let arrays = key_arrays(keys, self.root_key.len());
+        let params = as_params(&arrays);
         let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
         for (i, sql) in self.sql.iter().enumerate() {
             if i == 1 {
@@ -601,6 +629,22 @@ impl EntityHydrator {
         }
         Ok(assemble(&self.nodes, per_node, keys.len()))
     }
+}
+
+/// Root keys as one text array per key column (the `$1…` of the
+/// PostgreSQL queries that unnest keys pairwise).
+fn key_arrays(keys: &[RootKey], columns: usize) -> Vec<Vec<Option<String>>> {
+    (0..columns)
+        .map(|c| keys.iter().map(|k| k.0.get(c).cloned().flatten()).collect())
+        .collect()
+}
+
+/// [`key_arrays`] as query parameters.
+fn as_params(arrays: &[Vec<Option<String>>]) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+    arrays
+        .iter()
+        .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
+        .collect()
 }
 
 /// Nests child rows under their parents, deepest first.

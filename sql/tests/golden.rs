@@ -144,6 +144,10 @@ fn postgres_hydration_and_lookup_queries_are_frozen() {
             skein_sql::postgres::explicit_keys_sql(&nodes[0], &cat, filter, after)
         ));
     }
+    out.push_str(&format!(
+        "\n-- explicit: given keys as the source prints them\n{};\n",
+        skein_sql::postgres::normalize_keys_sql(&nodes[0], &cat)
+    ));
     check("postgres_queries_quickstart.sql", &out);
 }
 

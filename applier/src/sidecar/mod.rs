@@ -516,8 +516,13 @@ pub trait Sidecar {
         group: &str,
         topic: &str,
         partition: u32,
+        partitions: u32,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<ExplicitItem>>> + Send;
+
+    /// Moves queued explicit keys to other partitions (`(id, partition)`).
+    fn explicit_requeue(&mut self, moves: &[(i64, u32)])
+        -> impl Future<Output = Result<()>> + Send;
 
     /// Explicit run `id`, if it exists.
     fn explicit_run(
@@ -807,13 +812,18 @@ impl Sidecar for AnySidecar {
         group: &str,
         topic: &str,
         partition: u32,
+        partitions: u32,
         limit: i64,
     ) -> Result<Vec<ExplicitItem>> {
-        delegate!(self, s => s.explicit_pending(group, topic, partition, limit).await)
+        delegate!(self, s => s.explicit_pending(group, topic, partition, partitions, limit).await)
     }
 
     async fn explicit_runs(&mut self, group: &str, recent: i64) -> Result<Vec<ExplicitRunStatus>> {
         delegate!(self, s => s.explicit_runs(group, recent).await)
+    }
+
+    async fn explicit_requeue(&mut self, moves: &[(i64, u32)]) -> Result<()> {
+        delegate!(self, s => s.explicit_requeue(moves).await)
     }
 
     async fn explicit_run(&mut self, id: i64) -> Result<Option<ExplicitRunStatus>> {

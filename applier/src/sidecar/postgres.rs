@@ -641,13 +641,20 @@ impl Sidecar for PgSidecar {
         group: &str,
         topic: &str,
         partition: u32,
+        partitions: u32,
         limit: i64,
     ) -> Result<Vec<ExplicitItem>> {
         let rows = self
             .client
             .query(
                 &sc::explicit_pending_sql(&self.schema),
-                &[&group, &topic, &(partition as i32), &limit],
+                &[
+                    &group,
+                    &topic,
+                    &(partition as i32),
+                    &limit,
+                    &(partitions.max(1) as i32),
+                ],
             )
             .await
             .map_err(db("reading queued explicit keys"))?;
@@ -669,6 +676,16 @@ impl Sidecar for PgSidecar {
             .await
             .map_err(db("reading explicit runs"))?;
         Ok(rows.iter().map(run_status).collect())
+    }
+
+    async fn explicit_requeue(&mut self, moves: &[(i64, u32)]) -> Result<()> {
+        let ids: Vec<i64> = moves.iter().map(|m| m.0).collect();
+        let parts: Vec<i32> = moves.iter().map(|m| m.1 as i32).collect();
+        self.client
+            .execute(&sc::explicit_requeue_sql(&self.schema), &[&ids, &parts])
+            .await
+            .map_err(db("moving queued explicit keys to their partitions"))?;
+        Ok(())
     }
 
     async fn explicit_run(&mut self, id: i64) -> Result<Option<ExplicitRunStatus>> {

@@ -796,6 +796,7 @@ impl Sidecar for MssqlSidecar {
         group: &str,
         topic: &str,
         partition: u32,
+        partitions: u32,
         limit: i64,
     ) -> Result<Vec<ExplicitItem>> {
         let rows = self
@@ -803,7 +804,13 @@ impl Sidecar for MssqlSidecar {
             .query(
                 "reading queued explicit keys",
                 &sc::explicit_pending_sql(&self.schema),
-                &[&group, &topic, &(partition as i32), &limit],
+                &[
+                    &group,
+                    &topic,
+                    &(partition as i32),
+                    &limit,
+                    &(partitions.max(1) as i32),
+                ],
             )
             .await?;
         rows.iter()
@@ -828,6 +835,19 @@ impl Sidecar for MssqlSidecar {
             )
             .await?;
         rows.iter().map(|r| run_status(r)).collect()
+    }
+
+    async fn explicit_requeue(&mut self, moves: &[(i64, u32)]) -> Result<()> {
+        for chunk in moves.chunks(MAX_IDS) {
+            self.client
+                .execute(
+                    "moving queued explicit keys to their partitions",
+                    &sc::explicit_requeue_sql(&self.schema, chunk),
+                    &[],
+                )
+                .await?;
+        }
+        Ok(())
     }
 
     async fn explicit_run(&mut self, id: i64) -> Result<Option<ExplicitRunStatus>> {

@@ -600,6 +600,24 @@ pub(crate) fn explicit_where(filter: Option<&str>, keyset: Option<String>) -> St
     }
 }
 
+/// Given root keys (`skein explicit --keys`) in the text the source
+/// prints: each column cast to its type and back (`01` → `1`), in the
+/// given order; a value that does not cast is an error. Parameters: one
+/// `text[]` per key column, pairwise.
+pub fn normalize_keys_sql(root: &TableNode, catalog: &Catalog) -> String {
+    let key = catalog.key_columns(root);
+    let cols: Vec<String> = key
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("k.v{i}::{}::text", cast_type(catalog, root, c)))
+        .collect();
+    format!(
+        "SELECT {} FROM {} ORDER BY k.ord",
+        cols.join(", "),
+        unnest_keys(key.len())
+    )
+}
+
 /// Taken first in a batch's hydration snapshot, before the snapshot
 /// itself: `ACCESS SHARE` locks on `tables`, so no `ALTER TABLE` of them
 /// commits until the snapshot ends.

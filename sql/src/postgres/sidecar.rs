@@ -339,12 +339,26 @@ pub fn explicit_enqueue_sql(schema: &str) -> String {
 }
 
 /// At most `$4` queued keys of partition `$3` of `$1` group on `$2` topic,
-/// oldest first. Columns: id, entity, key, republish.
+/// oldest first, and of the partitions `$5` (the partition count now) no
+/// longer has that fall to it (`p % $5`): keys queued under a larger count,
+/// which its applier moves to their partitions. Columns: id, entity, key,
+/// republish.
 pub fn explicit_pending_sql(schema: &str) -> String {
     format!(
         "SELECT id, entity, key, republish FROM {}.\"explicit_queue\" \
-         WHERE group_name = $1 AND topic = $2 AND partition = $3 ORDER BY id LIMIT $4",
+         WHERE group_name = $1 AND topic = $2 \
+         AND (partition = $3 OR (partition >= $5 AND partition % $5 = $3)) ORDER BY id LIMIT $4",
         qi(schema)
+    )
+}
+
+/// Moves queued keys (ids `$1`) to the partitions `$2` (parallel arrays):
+/// keys queued under another partition count than the appliers' now.
+pub fn explicit_requeue_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "UPDATE {s}.\"explicit_queue\" q SET partition = u.p \
+         FROM unnest($1::int8[], $2::int4[]) AS u(id, p) WHERE q.id = u.id"
     )
 }
 

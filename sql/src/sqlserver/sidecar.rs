@@ -379,7 +379,8 @@ pub fn explicit_enqueue_sql(schema: &str, rows: usize) -> String {
 pub fn explicit_pending_sql(schema: &str) -> String {
     format!(
         "SELECT TOP (@P4) [id], [entity], [key], [republish] FROM {}.[explicit_queue] \
-         WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 ORDER BY [id]",
+         WHERE [group_name] = @P1 AND [topic] = @P2 \
+         AND ([partition] = @P3 OR ([partition] >= @P5 AND [partition] % @P5 = @P3)) ORDER BY [id]",
         qi(schema)
     )
 }
@@ -393,6 +394,19 @@ pub fn explicit_done_sql(schema: &str, ids: &[i64]) -> String {
         "DELETE FROM {}.[explicit_queue] WHERE [id] IN ({})",
         qi(schema),
         list.join(", ")
+    )
+}
+
+/// Moves queued keys to other partitions, `(id, partition)` pairs (numbers
+/// written into the statement, as [`explicit_done_sql`]): keys queued under
+/// another partition count than the appliers' now.
+pub fn explicit_requeue_sql(schema: &str, moves: &[(i64, u32)]) -> String {
+    let values: Vec<String> = moves.iter().map(|(id, p)| format!("({id}, {p})")).collect();
+    format!(
+        "UPDATE q SET q.[partition] = v.p FROM {}.[explicit_queue] q \
+         JOIN (VALUES {}) AS v(id, p) ON q.[id] = v.id",
+        qi(schema),
+        values.join(", ")
     )
 }
 

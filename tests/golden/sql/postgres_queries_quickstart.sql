@@ -58,3 +58,6 @@ FROM "public"."customer" AS t0
 WHERE (region = 'EU') AND (t0."id") > ($1::text::integer)
 ORDER BY t0."id"
 LIMIT $2;
+
+-- explicit: given keys as the source prints them
+SELECT k.v0::integer::text FROM unnest($1::text[]) WITH ORDINALITY AS k(v0, ord) ORDER BY k.ord;

@@ -96,7 +96,7 @@ UPDATE "skein"."explicit_run" SET "cursor" = $3, queued = queued + $4, state = $
 INSERT INTO "skein"."explicit_queue" (run_id, group_name, topic, partition, entity, key, republish) SELECT $1, $2, $3, u.p, $4, u.k, $5 FROM unnest($6::int4[], $7::text[]) WITH ORDINALITY AS u(p, k, ord) ORDER BY u.ord;
 
 -- explicit: a partition's queued keys
-SELECT id, entity, key, republish FROM "skein"."explicit_queue" WHERE group_name = $1 AND topic = $2 AND partition = $3 ORDER BY id LIMIT $4;
+SELECT id, entity, key, republish FROM "skein"."explicit_queue" WHERE group_name = $1 AND topic = $2 AND (partition = $3 OR (partition >= $5 AND partition % $5 = $3)) ORDER BY id LIMIT $4;
 
 -- batch transaction 1c: explicit keys before the first progress, lock
 INSERT INTO "skein"."progress" (group_name, topic, partition, position) VALUES ($1, $2, $3, 0) ON CONFLICT DO NOTHING;

@@ -89,7 +89,7 @@ UPDATE [skein].[explicit_run] SET [cursor] = @P3, [queued] = [queued] + @P4, [st
 INSERT INTO [skein].[explicit_queue] ([run_id], [group_name], [topic], [partition], [entity], [key], [republish]) SELECT @P1, @P2, @P3, v.p, @P4, v.k, @P5 FROM (VALUES (0, @P6, @P7), (1, @P8, @P9)) AS v(ord, p, k) ORDER BY v.ord;
 
 -- explicit: a partition's queued keys
-SELECT TOP (@P4) [id], [entity], [key], [republish] FROM [skein].[explicit_queue] WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3 ORDER BY [id];
+SELECT TOP (@P4) [id], [entity], [key], [republish] FROM [skein].[explicit_queue] WHERE [group_name] = @P1 AND [topic] = @P2 AND ([partition] = @P3 OR ([partition] >= @P5 AND [partition] % @P5 = @P3)) ORDER BY [id];
 
 -- batch transaction 1c: explicit keys before the first progress, lock
 SELECT 1 FROM [skein].[progress] WITH (UPDLOCK, HOLDLOCK) WHERE [group_name] = @P1 AND [topic] = @P2 AND [partition] = @P3;
