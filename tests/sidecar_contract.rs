@@ -657,6 +657,39 @@ async fn postgres_sidecar_keeps_the_contract() {
     explicit_contract(PgSidecar::connect(&url, "skein").await.unwrap()).await;
 }
 
+/// An applier starting while another holds a batch transaction open (a
+/// paused process): its migrate of a current sidecar runs no DDL, so it
+/// neither waits for that batch nor holds up readers of the progress
+/// behind its lock (the CI deadlock of stop 19: the chaos harness's read
+/// waited behind a migrate's ALTER TABLE, which waited for a paused
+/// applier).
+#[tokio::test(flavor = "multi_thread")]
+async fn migrating_a_current_sidecar_takes_no_lock_behind_an_open_batch() {
+    let url = pg_db("skein_t_contract_migrate_lock").await;
+    let mut a = PgSidecar::connect(&url, "skein").await.unwrap();
+    a.migrate().await.unwrap();
+    a.commit(&batch(None, 10, pg_lsn(1), 1, 1)).await.unwrap();
+    let open = connect(url.expose()).await;
+    open.batch_execute("BEGIN; UPDATE skein.progress SET updated_at = now() WHERE partition = 2")
+        .await
+        .unwrap();
+    let mut b = PgSidecar::connect(&url, "skein").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), b.migrate())
+        .await
+        .expect("migrate waited for the open batch transaction")
+        .unwrap();
+    let mut c = PgSidecar::connect(&url, "skein").await.unwrap();
+    let p = tokio::time::timeout(
+        Duration::from_secs(5),
+        c.progress("contract", "in-process", 2),
+    )
+    .await
+    .expect("reading progress was held up")
+    .unwrap();
+    assert!(p.is_some());
+    open.batch_execute("ROLLBACK").await.unwrap();
+}
+
 /// A sidecar a newer skein migrated is refused with what to do: its rows
 /// may mean more than this version knows (a TRUNCATE re-check cursor).
 #[tokio::test(flavor = "multi_thread")]

@@ -99,6 +99,19 @@ fn progress_from(r: &tokio_postgres::Row, at: usize) -> Result<Progress> {
 
 impl Sidecar for PgSidecar {
     async fn migrate(&mut self) -> Result<()> {
+        // Already at this version: no DDL. Its `ALTER TABLE … IF NOT EXISTS`
+        // takes an ACCESS EXCLUSIVE lock even when there is nothing to do;
+        // queued behind another applier's open batch transaction, it would
+        // hold up every reader of `progress` until that batch ends.
+        let at: Option<i32> = self
+            .client
+            .query_one(&sc::schema_version_sql(&self.schema), &[])
+            .await
+            .ok()
+            .and_then(|r| r.get(0));
+        if at >= Some(skein_sql::postgres::SIDECAR_SCHEMA_VERSION) {
+            return super::check_schema_version(at, &self.schema);
+        }
         // One transaction under an advisory lock (see `migrate_sql`).
         self.client
             .batch_execute(&sc::migrate_sql(&self.schema))

@@ -381,6 +381,25 @@ impl Sidecar for MssqlSidecar {
     /// Creates or upgrades the schema, serialised by an application lock
     /// (appliers starting together would race on `IF … CREATE TABLE`).
     async fn migrate(&mut self) -> Result<()> {
+        // Already at this version: no DDL (see the PostgreSQL sidecar: DDL
+        // queued behind an open batch transaction holds up its readers).
+        if let Ok(rows) = self
+            .client
+            .query(
+                "reading the sidecar schema version",
+                &sc::schema_version_sql(&self.schema),
+                &[],
+            )
+            .await
+        {
+            let at = match rows.first().and_then(|r| r.first()) {
+                Some(SqlValue::Int(v)) => i32::try_from(*v).ok(),
+                _ => None,
+            };
+            if at >= Some(skein_sql::sqlserver::SIDECAR_SCHEMA_VERSION) {
+                return super::check_schema_version(at, &self.schema);
+            }
+        }
         let sql = sc::migrate_sql(&self.schema);
         let r = self.client.batch("creating the sidecar schema", &sql).await;
         if r.is_err() {
