@@ -240,7 +240,13 @@ async fn explicit_pass<I: Inbox>(
     let mut busy = false;
     for &p in mine {
         if let std::collections::hash_map::Entry::Vacant(v) = appliers.entry(p) {
-            v.insert(connect(cfg, catalog, topic, p, kind).await?);
+            match connect(cfg, catalog, topic, p, kind).await {
+                Ok(a) => v.insert(a),
+                Err(e) => {
+                    error!(partition = p, error = %e, "the applier could not start");
+                    return Err(e);
+                }
+            };
         }
         let a = appliers.get_mut(&p).expect("connected above");
         match a
