@@ -599,11 +599,12 @@ pub struct Rewind {
 }
 
 impl BatchCommit {
-    /// The error of a batch that took fewer queued explicit keys off the
-    /// queue than it published: another applier took them (it owned the
-    /// partition meanwhile), so this one is fenced; its progress was not
-    /// moved either way.
-    pub(crate) fn explicit_taken(&self) -> Error {
+    /// The error of a batch whose rows another applier wrote first (it
+    /// owned the partition meanwhile): fewer queued explicit keys taken off
+    /// the queue than it published, or fewer global identifiers inserted
+    /// than it assigned. This one is fenced and builds the batch again; its
+    /// progress was not moved either way.
+    pub(crate) fn fenced_by_rows(&self) -> Error {
         Error::Fenced {
             partition: self.partition,
             expected: self.expected,

@@ -396,11 +396,7 @@ impl Sidecar for PgSidecar {
                 .await
                 .map_err(db("inserting global identifiers"))?;
             if n != b.identifiers.len() as u64 {
-                return Err(Error::Fenced {
-                    partition: b.partition,
-                    expected: b.expected,
-                    found: b.expected,
-                });
+                return Err(b.fenced_by_rows());
             }
         }
 
@@ -411,7 +407,7 @@ impl Sidecar for PgSidecar {
                 .await
                 .map_err(db("taking explicit keys off the queue"))?;
             if taken != b.explicit.len() as u64 {
-                return Err(b.explicit_taken());
+                return Err(b.fenced_by_rows());
             }
         }
 

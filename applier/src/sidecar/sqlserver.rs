@@ -273,11 +273,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
             .await?;
     }
     if inserted != b.identifiers.len() as u64 {
-        return Err(Error::Fenced {
-            partition: b.partition,
-            expected: b.expected,
-            found: b.expected,
-        });
+        return Err(b.fenced_by_rows());
     }
 
     // 6. Explicit keys published by this batch leave the queue.
@@ -293,7 +289,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
                 .await?;
         }
         if taken != b.explicit.len() as u64 {
-            return Err(b.explicit_taken());
+            return Err(b.fenced_by_rows());
         }
     }
 
