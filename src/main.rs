@@ -29,6 +29,10 @@ struct Cli {
         default_value = "skein.yaml"
     )]
     config: PathBuf,
+    /// Serve Prometheus metrics on `HOST:PORT` (`/metrics`) while `run`,
+    /// `extract`, `apply` or `relay` runs; overrides `metrics.addr`.
+    #[arg(long, global = true, env = "SKEIN_METRICS_ADDR")]
+    metrics_addr: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -193,7 +197,10 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let cfg = Config::load(&cli.config)?;
+    let mut cfg = Config::load(&cli.config)?;
+    if let Some(a) = cli.metrics_addr.filter(|a| !a.is_empty()) {
+        cfg.metrics.addr = Some(a);
+    }
     rt.block_on(async move {
         match cli.command {
             Command::Run => cmd::run::run(cfg).await,

@@ -632,6 +632,8 @@ impl<S: Sidecar> Applier<S> {
         let mut outbox = vec![];
         let mut versions = vec![];
         let mut identifiers = vec![];
+        // Per entity: events, and aggregates with nothing new to publish.
+        let mut tally: HashMap<&str, (u64, u64)> = HashMap::new();
         for ((entity, idxs, keys), current) in by_entity.into_iter().zip(hydrated) {
             let Some(h) = self.hydrators.get(entity) else {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
@@ -652,8 +654,10 @@ impl<S: Sidecar> Applier<S> {
                     None => decide(c, cur, stored.get(ck), &delete),
                 };
                 let Some(mut d) = decided else {
+                    tally.entry(entity).or_default().1 += 1;
                     continue;
                 };
+                tally.entry(entity).or_default().0 += 1;
                 let gid = if mapped {
                     let (gid, new) =
                         global_id(global.get(ck), &d, h.entity().global_id_column.as_deref());
@@ -737,6 +741,7 @@ impl<S: Sidecar> Applier<S> {
             }
         };
         failpoint("applier.after_sidecar");
+        record_metrics(&commit, &tally, dropped, started.elapsed());
         // An explicit batch before the partition's first commit wrote no
         // progress row (it only locked the absent one): there is none.
         let explicit_first = expected.is_none() && !commit.explicit.is_empty();
@@ -766,5 +771,42 @@ impl<S: Sidecar> Applier<S> {
             "batch committed"
         );
         Ok(applied)
+    }
+}
+
+/// Counts a committed batch (never one that may still roll back).
+fn record_metrics(
+    commit: &BatchCommit,
+    tally: &HashMap<&str, (u64, u64)>,
+    dropped: usize,
+    took: std::time::Duration,
+) {
+    use skein_common::metrics as m;
+    let partition = commit.partition.to_string();
+    metrics::counter!(m::APPLIER_BATCHES, "partition" => partition.clone()).increment(1);
+    metrics::counter!(m::APPLIER_RECORDS, "partition" => partition.clone())
+        .increment(commit.record_count.max(0) as u64);
+    if dropped > 0 {
+        metrics::counter!(m::APPLIER_DUPLICATES, "partition" => partition)
+            .increment(dropped as u64);
+    }
+    if commit.dead_letters > 0 {
+        metrics::counter!(m::DEAD_LETTERS, "stage" => "transport")
+            .increment(commit.dead_letters as u64);
+    }
+    for (entity, (published, unchanged)) in tally {
+        let entity = entity.to_string();
+        if *published > 0 {
+            metrics::counter!(m::EVENTS_PUBLISHED, "entity" => entity.clone())
+                .increment(*published);
+        }
+        if *unchanged > 0 {
+            metrics::counter!(m::EVENTS_UNCHANGED, "entity" => entity).increment(*unchanged);
+        }
+    }
+    metrics::histogram!(m::APPLIER_BATCH_DURATION).record(took.as_secs_f64());
+    let latency = metrics::histogram!(m::EVENT_LATENCY);
+    for o in &commit.outbox {
+        latency.record(m::seconds_since(o.commit_time_micros));
     }
 }

@@ -7,6 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use skein_common::metrics as m;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
@@ -167,8 +168,12 @@ pub async fn run_relay<S: Sidecar + Send>(
         let mut failures = 0u32;
         loop {
             let n = match relay_once(&mut sidecar, sink.as_mut(), settings.batch, &scope).await {
-                Ok(n) => n,
+                Ok(n) => {
+                    metrics::counter!(m::RELAY_SENT).increment(n as u64);
+                    n
+                }
                 Err(e) if is_transient(&e) => {
+                    metrics::counter!(m::RELAY_FAILURES).increment(1);
                     failures += 1;
                     warn!(error = %e, attempt = failures, retry_in = ?backoff, "relay failed; retrying (the rows stay pending, in order)");
                     report(&mut sidecar, &name, "retrying", Some(&e.to_string())).await;
@@ -184,6 +189,7 @@ pub async fn run_relay<S: Sidecar + Send>(
                     continue;
                 }
                 Err(e) => {
+                    metrics::counter!(m::RELAY_FAILURES).increment(1);
                     report(&mut sidecar, &name, "stopped", Some(&e.to_string())).await;
                     return Err(e);
                 }

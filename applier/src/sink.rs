@@ -73,7 +73,10 @@ impl Sink for DeadLettering {
                     Error::Data(format!(
                         "recording rejected events in the sink's dead letter failed: {e}"
                     ))
-                })
+                })?;
+                metrics::counter!(skein_common::metrics::DEAD_LETTERS, "stage" => "sink")
+                    .increment(rejected.len() as u64);
+                Ok(())
             }
             other => other,
         }

@@ -20,6 +20,7 @@ pub mod failpoint;
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
 pub mod json;
+pub mod metrics;
 pub mod position;
 pub mod record;
 pub mod sqlvalue;

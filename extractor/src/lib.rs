@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use skein_common::config::{Config, Source};
 use skein_common::failpoint::failpoint;
+use skein_common::metrics as m;
 use skein_common::{ChangeRecord, SourcePosition};
 use skein_sql::Catalog;
 use skein_transporter::{Batch, Transport};
@@ -319,9 +320,13 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
             // Hand-over time: transport acknowledgement plus marker write.
             let t0 = Instant::now();
             let Some(upper) = batch.upper.filter(|u| *u > lower) else {
+                // A wait that found nothing new: caught up.
+                metrics::gauge!(m::SOURCE_LAG).set(0.0);
                 continue;
             };
             let record_count = batch.records.len();
+            let newest_commit = batch.records.iter().map(|r| r.commit_time_micros).max();
+            let sent_loss = pending_loss;
             // A part of a transaction in flight completes nothing past
             // `lower`: the marker, the slot and the batch's upper bound stay.
             let done = if batch.in_flight.is_some() {
@@ -365,6 +370,19 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
                 source.confirm(done);
             }
             pending_loss = false;
+            metrics::counter!(m::SOURCE_CHANGES).increment(batch.changes as u64);
+            metrics::counter!(m::SOURCE_TRANSACTIONS).increment(batch.transactions as u64);
+            if record_count > 0 || sent_loss {
+                metrics::counter!(m::EXTRACTOR_BATCHES).increment(1);
+                metrics::counter!(m::EXTRACTOR_RECORDS).increment(record_count as u64);
+                metrics::histogram!(m::EXTRACTOR_HANDOVER).record(t0.elapsed().as_secs_f64());
+            }
+            if sent_loss {
+                metrics::counter!(m::DATA_LOSS).increment(1);
+            }
+            if let Some(c) = newest_commit {
+                metrics::gauge!(m::SOURCE_LAG).set(m::seconds_since(c));
+            }
             if batch.transactions > 0 {
                 info!(
                     batch = seq,

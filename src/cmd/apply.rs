@@ -16,6 +16,7 @@ use super::{kafka, kafka_client, make_sink, relay_failure, shutdown_token, sidec
 /// Runs the applier until a signal or an error.
 pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<()> {
     let cancel = shutdown_token();
+    super::metrics::serve(&cfg, "apply")?;
     let k = kafka(&cfg)?;
     let (kc, topic) = (kafka_client(k), k.topic.clone());
     sidecar(&cfg).await?.migrate().await?;

@@ -11,6 +11,7 @@ use super::{kafka, kafka_client, prepare_sidecar, shutdown_token};
 /// Runs the extractor until a signal or an error.
 pub async fn extract(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
+    super::metrics::serve(&cfg, "extract")?;
     let k = kafka(&cfg)?;
     let (kc, topic) = (kafka_client(k), &k.topic);
     let markers = std::sync::Arc::new(SledMarkerStore::open(&cfg.state_dir)?);

@@ -6,6 +6,7 @@ pub mod apply;
 pub mod explicit;
 pub mod extract;
 pub mod marker;
+pub mod metrics;
 pub mod relay;
 pub mod replay;
 pub mod run;

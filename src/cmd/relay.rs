@@ -9,6 +9,7 @@ use super::{make_sink, shutdown_token, sidecar};
 /// Relays every partition's pending rows, then keeps relaying until a signal.
 pub async fn relay(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
+    super::metrics::serve(&cfg, "relay")?;
     run_relay(
         sidecar(&cfg).await?,
         make_sink(&cfg)?,

@@ -17,6 +17,7 @@ use super::{make_sink, prepare_sidecar, relay_failure, shutdown_token, sidecar, 
 /// ends → the inbox closes and the appliers drain → the relay drains.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown_token();
+    super::metrics::serve(&cfg, "run")?;
     let Transport::InProcess(t) = &cfg.transport else {
         bail!("`skein run` uses the in-process transport; set `transport.kind: in-process`");
     };

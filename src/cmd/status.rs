@@ -16,7 +16,7 @@
 //!   unfinished one and the last five others: keys queued, still pending,
 //!   published, and whether all are.
 
-use skein_applier::sidecar::Sidecar;
+use skein_applier::sidecar::{AnySidecar, Sidecar};
 use skein_common::config::{Config, Transport};
 use skein_common::SourcePosition;
 use skein_transporter::IN_PROCESS_TOPIC;
@@ -25,8 +25,18 @@ use super::{kafka_client, sidecar};
 
 /// Prints the status.
 pub async fn status(cfg: Config) -> anyhow::Result<()> {
+    let out = collect(&cfg, &mut sidecar(&cfg).await?).await?;
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+/// The status as a JSON object (also what the metrics' gauges are read
+/// from, so both always agree).
+pub async fn collect(
+    cfg: &Config,
+    sidecar: &mut AnySidecar,
+) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
     let mut out = serde_json::Map::new();
-    let mut sidecar = sidecar(&cfg).await?;
     let (topic, ends) = match &cfg.transport {
         Transport::InProcess(_) => (IN_PROCESS_TOPIC.to_string(), None),
         Transport::Kafka(k) => {
@@ -88,7 +98,7 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
     };
     out.insert(
         "source".into(),
-        skein_extractor::admin::status(&cfg, applied).await?,
+        skein_extractor::admin::status(cfg, applied).await?,
     );
     out.insert("topic".into(), topic.into());
     out.insert("partitions".into(), parts.into());
@@ -129,6 +139,5 @@ pub async fn status(cfg: Config) -> anyhow::Result<()> {
         })
         .collect();
     out.insert("explicit".into(), runs.into());
-    println!("{}", serde_json::to_string_pretty(&out)?);
-    Ok(())
+    Ok(out)
 }

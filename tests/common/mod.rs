@@ -289,6 +289,7 @@ impl Env {
             .env("SKEIN_SOURCE_URL", &self.url)
             .env("SKEIN_OUT_DIR", &self.dir)
             .env_remove("SKEIN_FAILPOINT")
+            .env_remove("SKEIN_METRICS_ADDR")
             .env_remove("SKEIN_INSTANCE_ID");
         c
     }

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use skein_common::metrics as m;
 use skein_common::Checkpoint;
 
 use crate::{
@@ -48,7 +49,10 @@ impl InProcess {
     pub fn new(partitions: u32, capacity: usize, dialect: Dialect) -> (InProcess, InProcessInbox) {
         let mut senders = vec![];
         let mut receivers = vec![];
-        for _ in 0..partitions.max(1) {
+        for p in 0..partitions.max(1) {
+            metrics::gauge!(m::TRANSPORT_QUEUE_CAPACITY, "partition" => p.to_string())
+                .set(capacity.max(1) as f64);
+            metrics::gauge!(m::TRANSPORT_LAG, "partition" => p.to_string()).set(0.0);
             let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
             senders.push(tx);
             receivers.push(rx);
@@ -99,6 +103,8 @@ impl Batch {
 impl Transport for InProcess {
     async fn send(&self, batch: Batch) -> Result<()> {
         let parts = split(&batch, self.partitions());
+        // Sent and not yet acknowledged, whatever way this returns.
+        let _lag = InFlight::new(&parts);
         let mut waits = vec![];
         for (p, part) in parts.into_iter().enumerate() {
             let partition = p as u32;
@@ -124,6 +130,36 @@ impl Transport for InProcess {
             }
         }
         Ok(())
+    }
+}
+
+/// A batch's records counted in each partition's transport lag until it
+/// is dropped (acknowledged, failed or given up).
+struct InFlight(Vec<(metrics::Gauge, f64)>);
+
+impl InFlight {
+    fn new(parts: &[Batch]) -> InFlight {
+        InFlight(
+            parts
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| !b.records.is_empty())
+                .map(|(p, b)| {
+                    let g = metrics::gauge!(m::TRANSPORT_LAG, "partition" => p.to_string());
+                    let n = b.records.len() as f64;
+                    g.increment(n);
+                    (g, n)
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        for (g, n) in &self.0 {
+            g.decrement(*n);
+        }
     }
 }
 

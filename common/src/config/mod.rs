@@ -39,6 +39,8 @@ pub const DEFAULT_RETENTION_WARN_FRACTION: f64 = 0.8;
 pub const DEFAULT_RELAY_BATCH: i64 = 500;
 /// `sink.relay_poll_ms` by default.
 pub const DEFAULT_RELAY_POLL_MS: u64 = 50;
+/// `metrics.refresh_ms` by default.
+pub const DEFAULT_METRICS_REFRESH_MS: u64 = 5_000;
 /// `sidecar.outbox_retention_secs` by default: 7 days.
 pub const DEFAULT_OUTBOX_RETENTION_SECS: u64 = 7 * 24 * 3600;
 /// Default state directory (sled marker).
@@ -83,6 +85,8 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Extractor tuning and data-loss policy.
     pub extractor: ExtractorConfig,
+    /// The Prometheus endpoint.
+    pub metrics: MetricsConfig,
     /// The aggregates to publish.
     pub entities: Vec<EntityConfig>,
 }
@@ -258,6 +262,33 @@ impl SourceKind {
         match self {
             SourceKind::Postgres => crate::position::Dialect::Postgres,
             SourceKind::Sqlserver => crate::position::Dialect::SqlServer,
+        }
+    }
+}
+
+/// `metrics:` (the Prometheus endpoint of `run`, `extract`, `apply` and
+/// `relay`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `HOST:PORT` to serve `/metrics` on (Prometheus text format); none:
+    /// no endpoint. `--metrics-addr` overrides it.
+    pub addr: Option<String>,
+    /// How often the gauges read from the source, the sidecar and the
+    /// broker (lag, outbox depth, explicit keys pending) are refreshed.
+    #[serde(default = "default_metrics_refresh_ms")]
+    pub refresh_ms: u64,
+}
+
+fn default_metrics_refresh_ms() -> u64 {
+    DEFAULT_METRICS_REFRESH_MS
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            addr: None,
+            refresh_ms: DEFAULT_METRICS_REFRESH_MS,
         }
     }
 }
@@ -598,6 +629,23 @@ entities:
         .unwrap();
         assert_eq!(c.sidecar.outbox_retention_secs, 0);
         assert!(with("sink: { kind: stdout, relay_poll_ms: 0 }").is_err());
+        assert_eq!(
+            c.metrics,
+            MetricsConfig::default(),
+            "no endpoint by default"
+        );
+        let m = with("metrics: { addr: \"0.0.0.0:9187\", refresh_ms: 100 }").unwrap();
+        assert_eq!(m.metrics.addr.as_deref(), Some("0.0.0.0:9187"));
+        assert_eq!(m.metrics.refresh_ms, 100);
+        for bad in [
+            "metrics: { addr: \"9187\" }",
+            "metrics: { addr: \":9187\" }",
+            "metrics: { addr: \"h:99999\" }",
+            "metrics: { refresh_ms: 0 }",
+        ] {
+            let e = with(bad).unwrap_err().to_string();
+            assert!(e.contains("metrics."), "{bad}: {e}");
+        }
         assert_eq!(c.on_reject, OnReject::Stop, "the default stops");
         let c = with("sink: { kind: kafka, brokers: b, topic_prefix: ev, on_reject: dead_letter }")
             .unwrap();

@@ -36,6 +36,9 @@ pub struct RawConfig {
     /// Extractor tuning and data-loss policy.
     #[serde(default)]
     pub extractor: ExtractorConfig,
+    /// The Prometheus endpoint.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
     /// The aggregates to publish.
     pub entities: Vec<EntityConfig>,
 }

@@ -138,6 +138,22 @@ impl RawConfig {
                 "must be at least 1".into(),
             ));
         }
+        if self.metrics.refresh_ms == 0 {
+            return Err(err(
+                &[Key("metrics"), Key("refresh_ms")],
+                "must be at least 1".into(),
+            ));
+        }
+        if let Some(a) = &self.metrics.addr {
+            if a.rsplit_once(':')
+                .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+            {
+                return Err(err(
+                    &[Key("metrics"), Key("addr")],
+                    format!("`{a}` is not HOST:PORT (e.g. 0.0.0.0:9187)"),
+                ));
+            }
+        }
         if self.sink.relay_poll_ms == 0 {
             return Err(err(
                 &[Key("sink"), Key("relay_poll_ms")],
@@ -306,6 +322,7 @@ impl RawConfig {
             events: self.events,
             state_dir: self.state_dir,
             extractor: self.extractor,
+            metrics: self.metrics,
             entities: self.entities,
         }
     }
