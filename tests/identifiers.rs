@@ -119,3 +119,151 @@ async fn use_preassigned_identifiers() {
     assert!(uuid::Uuid::parse_str(&g3).is_ok(), "{g3}");
     run.stop(&env);
 }
+
+const CONTACT: Files = Files {
+    schema: "tests/fixtures/identifiers_schema.sql",
+    yaml: "tests/fixtures/identifiers.yaml",
+};
+
+/// nTangle's ContactTest data: contact 1 lives at address 11, whose
+/// alternate is address 88; contact 1's alternate is contact 2.
+const CONTACT_DATA: &str = "
+    INSERT INTO address (address_id, street1, alternate_address_id) VALUES (11, 'Side', 88), (88, 'Main', NULL);
+    INSERT INTO contact (contact_id, name, phone, address_id, alternate_contact_id) VALUES (1, 'Name1', '123', 11, 2);
+    INSERT INTO contact (contact_id, name, phone) VALUES (2, 'Name2', '456'), (3, 'Name3', '789');";
+
+/// The contact event of `id`, the last one.
+fn contact(events: &[Value], id: i32) -> &Value {
+    let s = format!("contact.{id}");
+    events
+        .iter()
+        .rev()
+        .find(|e| e["subject"] == s.as_str())
+        .unwrap_or_else(|| panic!("no event of {s}: {events:#?}"))
+}
+
+/// The four identifiers nTangle's ContactTest checks, as strings.
+fn contact_ids(e: &Value) -> [String; 4] {
+    let d = &e["data"];
+    let s = |v: &Value| {
+        v.as_str()
+            .unwrap_or_else(|| panic!("not a global id: {v} in {e:#}"))
+            .to_string()
+    };
+    [
+        s(&d["global_id"]),
+        s(&d["global_alternate_contact_id"]),
+        s(&d["address"]["global_id"]),
+        s(&d["address"]["global_alternate_address_id"]),
+    ]
+}
+
+/// GenerateAllIdentifiers on joins (nTangle's ContactTest): the contact's
+/// key, its reference to another contact, its address's key and the
+/// address's reference to another address each get a global identifier,
+/// generated once and reused when the address changes. The reference to
+/// contact 2 is contact 2's own identifier (one mapping per table row),
+/// and the etag does not depend on them.
+#[tokio::test(flavor = "multi_thread")]
+async fn generate_all_identifiers_on_joins_and_references() {
+    let env = Env::with_files("ids_joins", &CONTACT, TransportChoice::FromEnv, |y| y).await;
+    let mut run = env.start().await;
+    env.step(&mut run, CONTACT_DATA).await;
+    let events = env.events();
+    let first = contact_ids(contact(&events, 1));
+    for g in &first {
+        assert_eq!(
+            uuid::Uuid::parse_str(g).map(|u| u.get_version_num()).ok(),
+            Some(7),
+            "{g}"
+        );
+    }
+    let unique: std::collections::BTreeSet<&String> = first.iter().collect();
+    assert_eq!(unique.len(), 4, "{first:?}");
+    assert_eq!(
+        first[1],
+        gid(contact(&events, 2)),
+        "contact 1's reference maps to contact 2's own identifier"
+    );
+    assert!(
+        contact(&events, 2)["data"]["global_alternate_contact_id"].is_null(),
+        "a NULL reference maps to null"
+    );
+    assert!(contact(&events, 2)["data"]["address"].is_null());
+    let etag = contact(&events, 1)["etag"].clone();
+
+    env.step(
+        &mut run,
+        "UPDATE address SET street1 = '1st' WHERE address_id = 11",
+    )
+    .await;
+    let events = env.events();
+    let e = contact(&events, 1);
+    assert_eq!(e["data"]["address"]["street1"], "1st");
+    assert_eq!(contact_ids(e), first, "reused, not generated again");
+    assert_ne!(e["etag"], etag);
+    run.stop(&env);
+
+    // The same identifiers after a restart and an explicit republish.
+    let mut run = env.start().await;
+    env.skein_ok(&[
+        "explicit",
+        "--entity",
+        "contact",
+        "--keys",
+        "1",
+        "--republish",
+    ]);
+    env.settle(&mut run).await;
+    let events = env.events();
+    assert_eq!(contact_ids(contact(&events, 1)), first);
+    run.stop(&env);
+}
+
+/// UsePreassignedIdentifiers on joins (nTangle's ContactTest): rows put in
+/// `identifier_mapping` beforehand win, for the root (by entity) and for
+/// any other table row (by `schema.table`); the rest are generated.
+#[tokio::test(flavor = "multi_thread")]
+async fn use_preassigned_identifiers_on_joins_and_references() {
+    let env = Env::with_files("ids_joins_pre", &CONTACT, TransportChoice::FromEnv, |y| y).await;
+    env.skein_ok(&["sidecar", "migrate"]);
+    env.exec(
+        "INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES
+           ('contact', '[\"1\"]', 'C1'), ('contact', '[\"2\"]', 'C2'),
+           ('public.address', '[\"88\"]', 'C88')",
+    )
+    .await;
+    let mut run = env.start().await;
+    env.step(&mut run, CONTACT_DATA).await;
+    let events = env.events();
+    let [c1, alt, addr, alt_addr] = contact_ids(contact(&events, 1));
+    assert_eq!(c1, "C1");
+    assert_eq!(alt, "C2");
+    assert_eq!(alt_addr, "C88");
+    assert!(uuid::Uuid::parse_str(&addr).is_ok(), "{addr}");
+    assert_eq!(gid(contact(&events, 2)), "C2");
+    run.stop(&env);
+}
+
+/// A pre-assigned identifier already given to another row is an error
+/// that names both, not an event with a wrong or duplicate identifier.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_global_id_column_value_already_taken_stops_with_both_keys() {
+    let env = Env::new("ids_taken", mapped).await;
+    env.exec("ALTER TABLE customer ADD COLUMN legacy_ref text")
+        .await;
+    env.skein_ok(&["sidecar", "migrate"]);
+    env.exec("INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES ('customer', '[\"9\"]', 'L1')")
+        .await;
+    let run = env.start().await;
+    env.exec("INSERT INTO customer (id, name, legacy_ref) VALUES (1, 'Ada', 'L1')")
+        .await;
+    let status = run.wait_exit(std::time::Duration::from_secs(30));
+    assert!(!status.success());
+    let log = env.log();
+    assert!(
+        log.contains("L1") && log.contains("[\"9\"]") && log.contains("[\"1\"]"),
+        "{log}"
+    );
+    assert!(env.events().is_empty());
+}

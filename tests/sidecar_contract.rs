@@ -103,7 +103,6 @@ fn batch(
             outbox_row(first_event, "[\"1\"]"),
             outbox_row(first_event + 1, "[\"2\"]"),
         ],
-        identifiers: vec![],
         explicit: vec![],
         versions: vec![
             VersionRow {
@@ -590,7 +589,6 @@ async fn explicit_contract<S: Sidecar>(mut sc: S) {
             has_data_loss: false,
             outbox: vec![outbox_row(900 + n, "[\"1\"]")],
             versions: vec![],
-            identifiers: vec![],
             explicit: ids,
         }
     };
@@ -857,7 +855,6 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
             has_data_loss: false,
             outbox,
             versions: vec![],
-            identifiers: vec![],
             explicit: vec![],
         };
         writer.commit(&b).await.unwrap();

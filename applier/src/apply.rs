@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::event::{build_event, EventContext};
 use crate::fresh::{fresh, Fresh};
 use crate::hydrate::{EntityHydrator, Source};
+use crate::identifiers::Plan;
 use crate::sidecar::{BatchCommit, IdentifierRow, OutboxRow, Progress, Sidecar, VersionRow};
 use serde_json::Value;
 
@@ -38,6 +39,14 @@ async fn hydrate_all(
 }
 
 /// Every entity's hydrator, rendered from `catalog`.
+/// Each entity's identifier mapping below the root.
+fn plans(cfg: &Config, catalog: &Catalog) -> Result<HashMap<String, Plan>> {
+    cfg.entities
+        .iter()
+        .map(|e| Ok((e.name.clone(), Plan::new(cfg, e, catalog)?)))
+        .collect()
+}
+
 fn hydrators(cfg: &Config, catalog: &Catalog, source: &Source) -> HashMap<String, EntityHydrator> {
     cfg.entities
         .iter()
@@ -142,6 +151,8 @@ pub struct Applier<S: Sidecar> {
     /// The catalog `hydrators` were rendered from.
     catalog: Catalog,
     hydrators: HashMap<String, EntityHydrator>,
+    /// Each entity's identifier mapping below the root, over `catalog`.
+    plans: HashMap<String, Plan>,
     topic: String,
     partition: u32,
     kind: CheckpointKind,
@@ -161,20 +172,21 @@ impl<S: Sidecar> Applier<S> {
         topic: &str,
         partition: u32,
         kind: CheckpointKind,
-    ) -> Self {
+    ) -> Result<Self> {
         let hydrators = hydrators(cfg, catalog, &source);
-        Applier {
+        Ok(Applier {
             cfg: cfg.clone(),
             source,
             sidecar,
             catalog: catalog.clone(),
+            plans: plans(cfg, catalog)?,
             hydrators,
             topic: topic.to_string(),
             partition,
             kind,
             progress: None,
             claimed: false,
-        }
+        })
     }
 
     /// Renders the hydration queries again when the catalog the open
@@ -214,6 +226,7 @@ impl<S: Sidecar> Applier<S> {
             changes = ?describe_change(&self.catalog, &now),
             "the source's schema changed; hydration follows it"
         );
+        self.plans = plans(&self.cfg, &now)?;
         self.hydrators = hydrators(&self.cfg, &now, &self.source);
         self.catalog = now;
         Ok(())
@@ -631,9 +644,13 @@ impl<S: Sidecar> Applier<S> {
         ended?;
         let mut outbox = vec![];
         let mut versions = vec![];
-        let mut identifiers = vec![];
         // Per entity: events, and aggregates with nothing new to publish.
         let mut tally: HashMap<&str, (u64, u64)> = HashMap::new();
+        // Decided first: the global identifiers the events need are
+        // assigned (committed apart, see `identifiers::assign`) before any
+        // event is built.
+        let mut decided = vec![];
+        let mut wanted = vec![];
         for ((entity, idxs, keys), current) in by_entity.into_iter().zip(hydrated) {
             let Some(h) = self.hydrators.get(entity) else {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
@@ -646,66 +663,93 @@ impl<S: Sidecar> Applier<S> {
             } else {
                 HashMap::new()
             };
+            let plan = self.plans.get(entity);
             for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {
                 let c = &consolidated[*i];
                 let delete = h.delete_payload(&c.key);
-                let decided = match c.explicit {
+                let d = match c.explicit {
                     Some(republish) => decide_explicit(cur, stored.get(ck), &delete, republish),
                     None => decide(c, cur, stored.get(ck), &delete),
                 };
-                let Some(mut d) = decided else {
+                let Some(d) = d else {
                     tally.entry(entity).or_default().1 += 1;
                     continue;
                 };
                 tally.entry(entity).or_default().0 += 1;
-                let gid = if mapped {
+                let root = if mapped {
                     let (gid, new) =
                         global_id(global.get(ck), &d, h.entity().global_id_column.as_deref());
                     if let (Some(g), true) = (&gid, new) {
-                        identifiers.push(IdentifierRow {
+                        wanted.push(IdentifierRow {
                             entity: entity.to_string(),
                             key: ck.clone(),
                             global_id: g.clone(),
                         });
                     }
-                    if let (Some(g), Value::Object(m)) = (&gid, &mut d.data) {
-                        m.insert("global_id".into(), Value::String(g.clone()));
-                    }
                     gid
                 } else {
                     None
                 };
-                let id = uuid::Uuid::now_v7().to_string();
-                let ev = build_event(
-                    &EventContext {
-                        events: &self.cfg.events,
-                        entity: h.entity(),
-                        id: &id,
-                        correlation_id: &correlation_id,
-                        time_micros: c.commit_time_micros,
-                        global_id: gid.as_deref(),
-                    },
-                    &c.key,
-                    &d,
-                );
-                outbox.push((
-                    c.last_position,
-                    OutboxRow {
-                        event_id: id,
-                        entity: entity.to_string(),
-                        key: ck.clone(),
-                        etag: d.etag.clone(),
-                        event: ev.to_string(),
-                        commit_time_micros: c.commit_time_micros,
-                    },
-                ));
-                versions.push(VersionRow {
+                if let (Some(plan), false) = (plan, d.action == Action::Deleted) {
+                    for (ns, key) in plan.wanted(&d.data) {
+                        wanted.push(IdentifierRow {
+                            entity: ns,
+                            key,
+                            global_id: uuid::Uuid::now_v7().to_string(),
+                        });
+                    }
+                }
+                decided.push((entity, *i, ck.clone(), d, root));
+            }
+        }
+        let ids = crate::identifiers::assign(&mut self.sidecar, wanted).await?;
+        for (entity, i, ck, mut d, root) in decided {
+            let (Some(h), c) = (self.hydrators.get(entity), &consolidated[i]) else {
+                continue;
+            };
+            // A root identifier assigned now may be another applier's,
+            // which won the race for it.
+            let gid = root.map(|g| {
+                ids.get(&(entity.to_string(), ck.clone()))
+                    .cloned()
+                    .unwrap_or(g)
+            });
+            if let (Some(g), Value::Object(m)) = (&gid, &mut d.data) {
+                m.insert("global_id".into(), Value::String(g.clone()));
+            }
+            if let (Some(plan), false) = (self.plans.get(entity), d.action == Action::Deleted) {
+                plan.apply(&mut d.data, &ids)?;
+            }
+            let id = uuid::Uuid::now_v7().to_string();
+            let ev = build_event(
+                &EventContext {
+                    events: &self.cfg.events,
+                    entity: h.entity(),
+                    id: &id,
+                    correlation_id: &correlation_id,
+                    time_micros: c.commit_time_micros,
+                    global_id: gid.as_deref(),
+                },
+                &c.key,
+                &d,
+            );
+            outbox.push((
+                c.last_position,
+                OutboxRow {
+                    event_id: id,
                     entity: entity.to_string(),
                     key: ck.clone(),
                     etag: d.etag.clone(),
-                    is_deleted: d.action == Action::Deleted,
-                });
-            }
+                    event: ev.to_string(),
+                    commit_time_micros: c.commit_time_micros,
+                },
+            ));
+            versions.push(VersionRow {
+                entity: entity.to_string(),
+                key: ck,
+                etag: d.etag.clone(),
+                is_deleted: d.action == Action::Deleted,
+            });
         }
         // Outbox ids follow source order of each aggregate's last change.
         outbox.sort_by_key(|(pos, _)| *pos);
@@ -727,7 +771,6 @@ impl<S: Sidecar> Applier<S> {
             has_data_loss: batch.has_data_loss,
             outbox,
             versions,
-            identifiers,
             explicit: batch.explicit,
         };
         failpoint("applier.before_sidecar");

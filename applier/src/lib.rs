@@ -25,6 +25,7 @@ pub mod event;
 pub mod explicit;
 pub mod fresh;
 pub mod hydrate;
+pub mod identifiers;
 pub mod relay;
 pub mod run;
 pub mod sidecar;

@@ -317,9 +317,7 @@ pub async fn connect(
 ) -> Result<Applier<AnySidecar>> {
     let source = Source::connect(cfg).await?;
     let sidecar = AnySidecar::connect(cfg.sidecar_url(), &cfg.sidecar.schema).await?;
-    Ok(Applier::new(
-        cfg, catalog, source, sidecar, topic, partition, kind,
-    ))
+    Applier::new(cfg, catalog, source, sidecar, topic, partition, kind)
 }
 
 /// What the sidecar knows of this pipeline's partitions on a topic when the

@@ -553,8 +553,12 @@ fn sqlserver_sidecar_statements_are_frozen() {
             sc::purge_outbox_sql(s),
         ),
         (
-            "batch transaction: new global identifiers (2 rows)",
+            "new global identifiers (2 rows), before the batch transaction",
             sc::identifiers_insert_sql(s, 2),
+        ),
+        (
+            "keys holding 2 global identifiers",
+            sc::identifier_holders_sql(s, 2),
         ),
     ]
     .iter()
@@ -664,8 +668,12 @@ fn postgres_sidecar_statements_are_frozen() {
             sc::purge_outbox_sql(s),
         ),
         (
-            "batch transaction 5: new global identifiers",
+            "new global identifiers, before the batch transaction",
             sc::identifiers_insert_sql(s),
+        ),
+        (
+            "keys holding global identifiers",
+            sc::identifier_holders_sql(s),
         ),
     ]
     .iter()

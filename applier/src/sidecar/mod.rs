@@ -54,12 +54,14 @@ pub struct VersionRow {
     pub is_deleted: bool,
 }
 
-/// A global identifier first assigned to an aggregate.
+/// A global identifier to assign to a table row (see
+/// [`crate::identifiers`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdentifierRow {
-    /// Entity name.
+    /// The namespace: the entity name for a root key, else the table's
+    /// (see [`crate::identifiers::namespace`]).
     pub entity: String,
-    /// Canonical root key.
+    /// Canonical key.
     pub key: String,
     /// The global identifier.
     pub global_id: String,
@@ -101,10 +103,6 @@ pub struct BatchCommit {
     pub outbox: Vec<OutboxRow>,
     /// Versions.
     pub versions: Vec<VersionRow>,
-    /// Global identifiers first assigned by this batch (`identifier_mapping`):
-    /// inserted in its transaction; one that another batch assigned
-    /// meanwhile fences it ([`Error::Fenced`]), and it is built again.
-    pub identifiers: Vec<IdentifierRow>,
     /// Queued explicit keys ([`Sidecar::explicit_pending`]) this batch
     /// published: taken off the queue in the same transaction. A batch of
     /// explicit keys leaves the progress as it is (`position`, `source` and
@@ -403,6 +401,26 @@ pub trait Sidecar {
         keys: &[String],
     ) -> impl Future<Output = Result<HashMap<String, String>>> + Send;
 
+    /// Inserts global identifiers, each unless it conflicts with a stored
+    /// row (its key has one, or its identifier is another key's of the
+    /// namespace), committed at once, outside any batch transaction (an
+    /// identifier assigned to an event that is then not committed is kept
+    /// and used by the retry). Returns how many it inserted. Concurrent
+    /// inserts of one key wait for each other; the caller reads the
+    /// winner with [`Sidecar::identifiers`].
+    fn insert_identifiers(
+        &mut self,
+        rows: &[IdentifierRow],
+    ) -> impl Future<Output = Result<u64>> + Send;
+
+    /// The keys of namespace `entity` that hold the given global ids (an
+    /// id no key holds is absent).
+    fn identifier_holders(
+        &mut self,
+        entity: &str,
+        ids: &[String],
+    ) -> impl Future<Output = Result<HashMap<String, String>>> + Send;
+
     /// The canonical keys of an entity whose last event was not a delete:
     /// every aggregate a TRUNCATE may have changed. Read by the partition's
     /// applier before its batch transaction; the keys of its partition are
@@ -601,8 +619,7 @@ pub struct Rewind {
 impl BatchCommit {
     /// The error of a batch whose rows another applier wrote first (it
     /// owned the partition meanwhile): fewer queued explicit keys taken off
-    /// the queue than it published, or fewer global identifiers inserted
-    /// than it assigned. This one is fenced and builds the batch again; its
+    /// the queue than it published. This one is fenced and builds the batch again; its
     /// progress was not moved either way.
     pub(crate) fn fenced_by_rows(&self) -> Error {
         Error::Fenced {
@@ -748,6 +765,18 @@ impl Sidecar for AnySidecar {
         keys: &[String],
     ) -> Result<HashMap<String, String>> {
         delegate!(self, s => s.identifiers(entity, keys).await)
+    }
+
+    async fn insert_identifiers(&mut self, rows: &[IdentifierRow]) -> Result<u64> {
+        delegate!(self, s => s.insert_identifiers(rows).await)
+    }
+
+    async fn identifier_holders(
+        &mut self,
+        entity: &str,
+        ids: &[String],
+    ) -> Result<HashMap<String, String>> {
+        delegate!(self, s => s.identifier_holders(entity, ids).await)
     }
 
     async fn published_keys(

@@ -12,7 +12,7 @@ use skein_sql::postgres::sidecar as sc;
 
 use super::{
     parse_numeric, source_position, BatchCommit, ExplicitChunk, ExplicitItem, ExplicitRun,
-    ExplicitRunStatus, Fence, NewRun, Progress, RelayState, Rewind, Sidecar,
+    ExplicitRunStatus, Fence, IdentifierRow, NewRun, Progress, RelayState, Rewind, Sidecar,
 };
 use crate::connect_postgres;
 use crate::decide::Stored;
@@ -386,21 +386,7 @@ impl Sidecar for PgSidecar {
             .map_err(db("upserting versions"))?;
         }
 
-        // 5. Global identifiers first assigned by this batch.
-        if !b.identifiers.is_empty() {
-            let entities: Vec<&str> = b.identifiers.iter().map(|i| i.entity.as_str()).collect();
-            let keys: Vec<&str> = b.identifiers.iter().map(|i| i.key.as_str()).collect();
-            let ids: Vec<&str> = b.identifiers.iter().map(|i| i.global_id.as_str()).collect();
-            let n = tx
-                .execute(&sc::identifiers_insert_sql(s), &[&entities, &keys, &ids])
-                .await
-                .map_err(db("inserting global identifiers"))?;
-            if n != b.identifiers.len() as u64 {
-                return Err(b.fenced_by_rows());
-            }
-        }
-
-        // 6. Explicit keys published by this batch leave the queue.
+        // 5. Explicit keys published by this batch leave the queue.
         if !b.explicit.is_empty() {
             let taken = tx
                 .execute(&sc::explicit_done_sql(s), &[&b.explicit])
@@ -571,6 +557,37 @@ impl Sidecar for PgSidecar {
             .query(&sc::identifiers_sql(&self.schema), &[&entity, &keys])
             .await
             .map_err(db("reading global identifiers"))?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    async fn insert_identifiers(&mut self, rows: &[IdentifierRow]) -> Result<u64> {
+        let mut n = 0;
+        for part in rows.chunks(PART_ROWS) {
+            let entities: Vec<&str> = part.iter().map(|i| i.entity.as_str()).collect();
+            let keys: Vec<&str> = part.iter().map(|i| i.key.as_str()).collect();
+            let ids: Vec<&str> = part.iter().map(|i| i.global_id.as_str()).collect();
+            n += self
+                .client
+                .execute(
+                    &sc::identifiers_insert_sql(&self.schema),
+                    &[&entities, &keys, &ids],
+                )
+                .await
+                .map_err(db("inserting global identifiers"))?;
+        }
+        Ok(n)
+    }
+
+    async fn identifier_holders(
+        &mut self,
+        entity: &str,
+        ids: &[String],
+    ) -> Result<HashMap<String, String>> {
+        let rows = self
+            .client
+            .query(&sc::identifier_holders_sql(&self.schema), &[&entity, &ids])
+            .await
+            .map_err(db("reading the keys of global identifiers"))?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 

@@ -19,7 +19,8 @@ use skein_sql::sqlserver::MssqlClient;
 
 use super::{
     parse_numeric, source_position, BatchCommit, ExplicitChunk, ExplicitItem, ExplicitRun,
-    ExplicitRunStatus, NewRun, OutboxRow, Progress, RelayState, Rewind, Sidecar, VersionRow,
+    ExplicitRunStatus, IdentifierRow, NewRun, OutboxRow, Progress, RelayState, Rewind, Sidecar,
+    VersionRow,
 };
 use crate::decide::Stored;
 use crate::error::{Error, Result};
@@ -255,28 +256,7 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
         upsert_versions(c, schema, chunk).await?;
     }
 
-    // 5. Global identifiers first assigned by this batch.
-    let mut inserted = 0;
-    for rows in b.identifiers.chunks(MAX_PARAMS / sc::IDENTIFIER_PARAMS) {
-        let mut params: Vec<&dyn tiberius::ToSql> = Vec::with_capacity(rows.len() * 3);
-        for r in rows {
-            params.push(&r.entity);
-            params.push(&r.key);
-            params.push(&r.global_id);
-        }
-        inserted += c
-            .execute(
-                "inserting global identifiers",
-                &sc::identifiers_insert_sql(schema, rows.len()),
-                &params,
-            )
-            .await?;
-    }
-    if inserted != b.identifiers.len() as u64 {
-        return Err(b.fenced_by_rows());
-    }
-
-    // 6. Explicit keys published by this batch leave the queue.
+    // 5. Explicit keys published by this batch leave the queue.
     if !b.explicit.is_empty() {
         let mut taken = 0;
         for ids in b.explicit.chunks(MAX_IDS) {
@@ -528,6 +508,46 @@ impl Sidecar for MssqlSidecar {
                 sc::identifiers_sql,
                 entity,
                 keys,
+            )
+            .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|r| Some((text(r.first())?, text(r.get(1))?)))
+            .collect())
+    }
+
+    async fn insert_identifiers(&mut self, rows: &[IdentifierRow]) -> Result<u64> {
+        let mut n = 0;
+        for part in rows.chunks(MAX_PARAMS / sc::IDENTIFIER_PARAMS) {
+            let mut params: Vec<&dyn tiberius::ToSql> = Vec::with_capacity(part.len() * 3);
+            for r in part {
+                params.push(&r.entity);
+                params.push(&r.key);
+                params.push(&r.global_id);
+            }
+            n += self
+                .client
+                .execute(
+                    "inserting global identifiers",
+                    &sc::identifiers_insert_sql(&self.schema, part.len()),
+                    &params,
+                )
+                .await?;
+        }
+        Ok(n)
+    }
+
+    async fn identifier_holders(
+        &mut self,
+        entity: &str,
+        ids: &[String],
+    ) -> Result<HashMap<String, String>> {
+        let rows = self
+            .rows_by_key(
+                "reading the keys of global identifiers",
+                sc::identifier_holders_sql,
+                entity,
+                ids,
             )
             .await?;
         Ok(rows

@@ -41,6 +41,11 @@ pub struct EntityConfig {
     /// the mapping, whatever the column holds later). Needs
     /// `identifier_mapping: true`.
     pub global_id_column: Option<String>,
+    /// Root columns that reference another table's row, each mapped to
+    /// that row's global identifier (nTangle's `mappings`): the event
+    /// carries `global_<column>` beside the column.
+    #[serde(default)]
+    pub mappings: Vec<ColumnMapping>,
     /// Child tables, any depth.
     #[serde(default)]
     pub joins: Vec<JoinConfig>,
@@ -115,6 +120,28 @@ pub struct JoinConfig {
     /// Columns left out of the version hash.
     #[serde(default)]
     pub exclude_columns_from_etag: Vec<String>,
+    /// Each child row's key is mapped to a global identifier, carried as
+    /// its `global_id` (nTangle's join `identifierMapping`).
+    #[serde(default)]
+    pub identifier_mapping: bool,
+    /// Columns of this table that reference another table's row, each
+    /// mapped to that row's global identifier (`global_<column>`).
+    #[serde(default)]
+    pub mappings: Vec<ColumnMapping>,
+}
+
+/// A column that holds the key of a row of another (or the same) table,
+/// mapped to that row's global identifier (nTangle's `JoinMapping` /
+/// `TableMapping`).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ColumnMapping {
+    /// The referencing column.
+    pub name: String,
+    /// The referenced table's schema; defaults to the entity's.
+    pub schema: Option<String>,
+    /// The referenced table (its key is one column: the referencing one's value).
+    pub table: String,
 }
 
 /// One table of an entity with its parent resolved: the tree that the
@@ -147,6 +174,11 @@ pub struct TableNode {
     pub exclude_columns: Vec<String>,
     /// Excluded from the etag.
     pub exclude_columns_from_etag: Vec<String>,
+    /// Whether each row's key maps to a global identifier.
+    pub identifier_mapping: bool,
+    /// Referencing columns mapped to the referenced rows' identifiers,
+    /// with the referenced table's schema resolved.
+    pub mappings: Vec<ColumnMapping>,
 }
 
 impl TableNode {
@@ -174,6 +206,8 @@ impl EntityConfig {
             include_columns: self.include_columns.clone(),
             exclude_columns: self.exclude_columns.clone(),
             exclude_columns_from_etag: self.exclude_columns_from_etag.clone(),
+            identifier_mapping: self.identifier_mapping,
+            mappings: self.resolved_mappings(&self.mappings),
         }];
         for (i, j) in self.joins.iter().enumerate() {
             let parent = self.resolve_parent(i).unwrap_or(0);
@@ -192,9 +226,22 @@ impl EntityConfig {
                 include_columns: j.include_columns.clone(),
                 exclude_columns: j.exclude_columns.clone(),
                 exclude_columns_from_etag: j.exclude_columns_from_etag.clone(),
+                identifier_mapping: j.identifier_mapping,
+                mappings: self.resolved_mappings(&j.mappings),
             });
         }
         nodes
+    }
+
+    /// `mappings` with each referenced table's schema filled in.
+    fn resolved_mappings(&self, mappings: &[ColumnMapping]) -> Vec<ColumnMapping> {
+        mappings
+            .iter()
+            .map(|m| ColumnMapping {
+                schema: Some(m.schema.clone().unwrap_or_else(|| self.schema.clone())),
+                ..m.clone()
+            })
+            .collect()
     }
 
     /// Node index of join `i`'s parent; joins may only refer to the root or

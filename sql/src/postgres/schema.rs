@@ -77,6 +77,9 @@ pub fn named_columns<'a>(
     for on in &n.on {
         want.push((&on.name, "on.name"));
     }
+    for m in &n.mappings {
+        want.push((&m.name, "mappings.name"));
+    }
     for child in nodes.iter().filter(|c| c.parent == Some(n.index)) {
         for on in &child.on {
             want.push((&on.to_column, "on.to_column"));

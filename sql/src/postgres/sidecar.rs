@@ -431,15 +431,24 @@ pub fn identifiers_sql(schema: &str) -> String {
     )
 }
 
-/// New global identifiers from parallel arrays `$1` entities, `$2` keys,
-/// `$3` ids, inside the batch transaction. A conflict (another batch
-/// assigned one meanwhile) inserts fewer rows than given: the batch is
-/// then fenced and built again with the stored one. A global id another
-/// aggregate of the entity has (a duplicate pre-assigned value) is an error.
+/// New global identifiers from parallel arrays `$1` namespaces, `$2`
+/// keys, `$3` ids, in key order (concurrent inserts take the unique
+/// index's locks in one order). A row that conflicts with a stored one
+/// (its key has an identifier, or its identifier is another key's) is not
+/// inserted; the caller reads what is stored.
 pub fn identifiers_insert_sql(schema: &str) -> String {
     format!(
         "INSERT INTO {}.\"identifier_mapping\" (entity, key, global_id) \
-         SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT (entity, key) DO NOTHING",
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ORDER BY 1, 2 ON CONFLICT DO NOTHING",
+        qi(schema)
+    )
+}
+
+/// The keys of namespace `$1` holding the global ids in the array `$2`.
+/// Columns: global_id, key.
+pub fn identifier_holders_sql(schema: &str) -> String {
+    format!(
+        "SELECT global_id, key FROM {}.\"identifier_mapping\" WHERE entity = $1 AND global_id = ANY($2)",
         qi(schema)
     )
 }

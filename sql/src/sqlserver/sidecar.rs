@@ -476,11 +476,11 @@ pub fn identifiers_sql(schema: &str, keys: usize) -> String {
     )
 }
 
-/// New global identifiers, `rows` rows of (entity, key, global_id), inside
-/// the batch transaction; a key that has one already (another batch
-/// assigned it meanwhile) is not inserted, and fewer rows than given fence
-/// the batch, which is built again with the stored one. A global id
-/// another aggregate of the entity has is an error (the unique key).
+/// New global identifiers, `rows` rows of (namespace, key, global_id). A
+/// row that conflicts with a stored one (its key has an identifier, or its
+/// identifier is another key's) is not inserted; the caller reads what is
+/// stored. The range locks make two appliers inserting the same key wait
+/// for each other instead of failing on the unique key.
 pub fn identifiers_insert_sql(schema: &str, rows: usize) -> String {
     let values: Vec<String> = (0..rows)
         .map(|r| {
@@ -493,8 +493,19 @@ pub fn identifiers_insert_sql(schema: &str, rows: usize) -> String {
         "INSERT INTO {s}.[identifier_mapping] ([entity], [key], [global_id]) \
          SELECT v.e, v.k, v.g FROM (VALUES {}) AS v(e, k, g) \
          WHERE NOT EXISTS (SELECT 1 FROM {s}.[identifier_mapping] t WITH (UPDLOCK, HOLDLOCK) \
-         WHERE t.[entity] = v.e AND t.[key] = v.k)",
+         WHERE t.[entity] = v.e AND (t.[key] = v.k OR t.[global_id] = v.g))",
         values.join(", ")
+    )
+}
+
+/// The keys of namespace `@P1` holding `ids` global ids (from `@P2`).
+/// Columns: global_id, key.
+pub fn identifier_holders_sql(schema: &str, ids: usize) -> String {
+    let list: Vec<String> = (0..ids).map(|i| format!("@P{}", i + 2)).collect();
+    format!(
+        "SELECT [global_id], [key] FROM {}.[identifier_mapping] WHERE [entity] = @P1 AND [global_id] IN ({})",
+        qi(schema),
+        list.join(", ")
     )
 }
 

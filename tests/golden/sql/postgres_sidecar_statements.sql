@@ -119,5 +119,8 @@ SELECT key, global_id FROM "skein"."identifier_mapping" WHERE entity = $1 AND ke
 -- relay: purge relayed rows past their retention
 DELETE FROM "skein"."outbox" WHERE id IN (SELECT id FROM "skein"."outbox" WHERE dequeued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE SKIP LOCKED);
 
--- batch transaction 5: new global identifiers
-INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ON CONFLICT (entity, key) DO NOTHING;
+-- new global identifiers, before the batch transaction
+INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ORDER BY 1, 2 ON CONFLICT DO NOTHING;
+
+-- keys holding global identifiers
+SELECT global_id, key FROM "skein"."identifier_mapping" WHERE entity = $1 AND global_id = ANY($2);
