@@ -297,6 +297,41 @@ async fn metrics_are_scraped_while_running_and_count_what_the_pipeline_did() {
     let lag = s.family(x, "skein_source_lag_seconds").expect("source lag");
     assert!(lag.samples[0].value < 60.0, "{lag:?}");
 
+    // The pipeline-wide gauges come from one process only (the
+    // extractor's), so sums over a pipeline's processes are right.
+    for g in [
+        "skein_outbox_pending",
+        "skein_source_lag_bytes",
+        "skein_explicit_pending_keys",
+        "skein_metrics_last_refresh_timestamp_seconds",
+    ] {
+        let n = s.samples(g, &[]).len();
+        assert_eq!(n, 1, "{g} is served by {n} processes");
+    }
+    assert_eq!(
+        s.samples("skein_transport_lag_records", &[("partition", "0")])
+            .len(),
+        1
+    );
+    assert!(s
+        .family(x, "skein_metrics_last_refresh_timestamp_seconds")
+        .is_some());
+
+    // An explicit run of an unchanged aggregate: counted under its own
+    // trigger, not as records read from the source.
+    env.skein_ok(&["explicit", "--entity", "customer", "--keys", "3"]);
+    let after = scrape_until(&ports, |s| {
+        s.sum("skein_events_unchanged_total", &[("trigger", "explicit")]) >= 1.0
+    })
+    .await;
+    assert_eq!(
+        after.sum("skein_events_unchanged_total", &[("trigger", "explicit")]),
+        1.0
+    );
+    assert!(after.sum("skein_applier_batches_total", &[("trigger", "explicit")]) >= 1.0);
+    assert_eq!(after.sum("skein_applier_records_total", &[]), extracted);
+    assert_eq!(after.sum("skein_event_latency_seconds_count", &[]), events);
+
     // Types and help texts as Prometheus users expect them.
     s.assert_families(
         x,
@@ -310,6 +345,10 @@ async fn metrics_are_scraped_while_running_and_count_what_the_pipeline_did() {
             ("skein_source_lag_bytes", "gauge"),
             ("skein_extractor_handover_duration_seconds", "histogram"),
             ("skein_transport_lag_records", "gauge"),
+            ("skein_outbox_pending", "gauge"),
+            ("skein_outbox_oldest_pending_seconds", "gauge"),
+            ("skein_explicit_pending_keys", "gauge"),
+            ("skein_metrics_refresh_failures", "counter"),
             ("skein_info", "gauge"),
         ],
     );
@@ -324,12 +363,9 @@ async fn metrics_are_scraped_while_running_and_count_what_the_pipeline_did() {
             ("skein_events_unchanged", "counter"),
             ("skein_applier_batch_duration_seconds", "histogram"),
             ("skein_event_latency_seconds", "histogram"),
-            ("skein_outbox_pending", "gauge"),
-            ("skein_outbox_oldest_pending_seconds", "gauge"),
             ("skein_relay_sent", "counter"),
             ("skein_relay_failures", "counter"),
             ("skein_dead_letters", "counter"),
-            ("skein_explicit_pending_keys", "gauge"),
         ],
     );
     run.stop(&env);

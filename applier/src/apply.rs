@@ -117,6 +117,29 @@ struct BatchMeta {
     xids: Vec<u64>,
     /// Queued explicit keys the batch takes off the queue.
     explicit: Vec<i64>,
+    /// What the batch applies (a metrics label).
+    trigger: Trigger,
+}
+
+/// What a batch transaction applies: source changes, a TRUNCATE's
+/// re-check of published keys, or explicit keys. Metrics keep them apart:
+/// only changes are records read from the source, and only their events
+/// have a source commit time to measure latency from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Trigger {
+    Change,
+    TruncateRecheck,
+    Explicit,
+}
+
+impl Trigger {
+    fn label(self) -> &'static str {
+        match self {
+            Trigger::Change => "change",
+            Trigger::TruncateRecheck => "truncate_recheck",
+            Trigger::Explicit => "explicit",
+        }
+    }
 }
 
 /// What one applied batch did.
@@ -332,7 +355,7 @@ impl<S: Sidecar> Applier<S> {
             last: true,
         };
         if !records.iter().any(|r| r.op == Op::Truncate) {
-            return self.commit_step(d, &records, last).await;
+            return self.commit_step(d, &records, last, Trigger::Change).await;
         }
         let mut total = Applied::default();
         let mut before: Vec<ChangeRecord> = vec![];
@@ -353,12 +376,12 @@ impl<S: Sidecar> Applier<S> {
             }
             if !before.is_empty() {
                 let step = self.intermediate(d, before.last().map(|b| b.position), None);
-                total.add(self.commit_step(d, &before, step).await?);
+                total.add(self.commit_step(d, &before, step, Trigger::Change).await?);
                 before.clear();
             }
             total.add(self.recheck(d, &r).await?);
         }
-        total.add(self.commit_step(d, &before, last).await?);
+        total.add(self.commit_step(d, &before, last, Trigger::Change).await?);
         Ok(total)
     }
 
@@ -441,7 +464,10 @@ impl<S: Sidecar> Applier<S> {
                 continue;
             }
             let step = self.intermediate(d, Some(notice.position), after.clone());
-            total.add(self.commit_step(d, &mine, step).await?);
+            total.add(
+                self.commit_step(d, &mine, step, Trigger::TruncateRecheck)
+                    .await?,
+            );
             if done {
                 return Ok(total);
             }
@@ -456,6 +482,7 @@ impl<S: Sidecar> Applier<S> {
         d: &Delivery,
         records: &[ChangeRecord],
         step: Step,
+        trigger: Trigger,
     ) -> Result<Applied> {
         // Normal PostgreSQL ids only (0-2 are special).
         let mut xids: Vec<u64> = records
@@ -475,6 +502,7 @@ impl<S: Sidecar> Applier<S> {
             records: records.len(),
             xids,
             explicit: vec![],
+            trigger,
         };
         self.commit_aggregates(consolidate(records), batch, step)
             .await
@@ -597,6 +625,7 @@ impl<S: Sidecar> Applier<S> {
             records: items.len(),
             xids: vec![],
             explicit: items.iter().map(|i| i.id).collect(),
+            trigger: Trigger::Explicit,
         };
         self.commit_aggregates(consolidated, batch, step).await
     }
@@ -784,7 +813,7 @@ impl<S: Sidecar> Applier<S> {
             }
         };
         failpoint("applier.after_sidecar");
-        record_metrics(&commit, &tally, dropped, started.elapsed());
+        record_metrics(&commit, batch.trigger, &tally, dropped, started.elapsed());
         // An explicit batch before the partition's first commit wrote no
         // progress row (it only locked the absent one): there is none.
         let explicit_first = expected.is_none() && !commit.explicit.is_empty();
@@ -820,15 +849,20 @@ impl<S: Sidecar> Applier<S> {
 /// Counts a committed batch (never one that may still roll back).
 fn record_metrics(
     commit: &BatchCommit,
+    trigger: Trigger,
     tally: &HashMap<&str, (u64, u64)>,
     dropped: usize,
     took: std::time::Duration,
 ) {
     use skein_common::metrics as m;
     let partition = commit.partition.to_string();
-    metrics::counter!(m::APPLIER_BATCHES, "partition" => partition.clone()).increment(1);
-    metrics::counter!(m::APPLIER_RECORDS, "partition" => partition.clone())
-        .increment(commit.record_count.max(0) as u64);
+    let t = trigger.label();
+    metrics::counter!(m::APPLIER_BATCHES, "partition" => partition.clone(), "trigger" => t)
+        .increment(1);
+    if trigger == Trigger::Change {
+        metrics::counter!(m::APPLIER_RECORDS, "partition" => partition.clone())
+            .increment(commit.record_count.max(0) as u64);
+    }
     if dropped > 0 {
         metrics::counter!(m::APPLIER_DUPLICATES, "partition" => partition)
             .increment(dropped as u64);
@@ -840,16 +874,19 @@ fn record_metrics(
     for (entity, (published, unchanged)) in tally {
         let entity = entity.to_string();
         if *published > 0 {
-            metrics::counter!(m::EVENTS_PUBLISHED, "entity" => entity.clone())
+            metrics::counter!(m::EVENTS_PUBLISHED, "entity" => entity.clone(), "trigger" => t)
                 .increment(*published);
         }
         if *unchanged > 0 {
-            metrics::counter!(m::EVENTS_UNCHANGED, "entity" => entity).increment(*unchanged);
+            metrics::counter!(m::EVENTS_UNCHANGED, "entity" => entity, "trigger" => t)
+                .increment(*unchanged);
         }
     }
-    metrics::histogram!(m::APPLIER_BATCH_DURATION).record(took.as_secs_f64());
-    let latency = metrics::histogram!(m::EVENT_LATENCY);
-    for o in &commit.outbox {
-        latency.record(m::seconds_since(o.commit_time_micros));
+    metrics::histogram!(m::APPLIER_BATCH_DURATION, "trigger" => t).record(took.as_secs_f64());
+    if trigger == Trigger::Change {
+        let latency = metrics::histogram!(m::EVENT_LATENCY);
+        for o in &commit.outbox {
+            latency.record(m::seconds_since(o.commit_time_micros));
+        }
     }
 }

@@ -80,6 +80,11 @@ pub const TRANSPORT_LAG: &str = "skein_transport_lag_records";
 pub const TRANSPORT_QUEUE_CAPACITY: &str = "skein_transport_queue_capacity";
 /// Keys explicit runs queued and not yet published.
 pub const EXPLICIT_PENDING: &str = "skein_explicit_pending_keys";
+/// Refreshes of the pipeline-wide gauges that failed (their values are
+/// then the last ones read; see [`REFRESHED_AT`]).
+pub const REFRESH_FAILURES: &str = "skein_metrics_refresh_failures_total";
+/// When the pipeline-wide gauges were last read successfully (Unix time).
+pub const REFRESHED_AT: &str = "skein_metrics_last_refresh_timestamp_seconds";
 /// Set to 1 by a process that serves metrics (labels `command`, `version`).
 pub const INFO: &str = "skein_info";
 
@@ -92,13 +97,14 @@ pub fn describe() {
         (EXTRACTOR_RECORDS, Count, "Change records the extractor handed to the transport, acknowledged."),
         (EXTRACTOR_BATCHES, Count, "Batches the extractor handed to the transport, acknowledged."),
         (DATA_LOSS, Count, "Batches sent with a data-loss notice: changes the source no longer had were skipped."),
-        (APPLIER_RECORDS, Count, "Change records an applier consumed, by partition."),
+        (APPLIER_RECORDS, Count, "Change records in the batches an applier committed, by partition."),
         (APPLIER_DUPLICATES, Count, "Re-sent change records an applier dropped by source position, by partition."),
-        (APPLIER_BATCHES, Count, "Batch transactions an applier committed to the sidecar, by partition."),
-        (EVENTS_PUBLISHED, Count, "Events written to the outbox, by entity."),
-        (EVENTS_UNCHANGED, Count, "Changed aggregates whose new state equals the stored version, so no event, by entity."),
+        (APPLIER_BATCHES, Count, "Batch transactions an applier committed to the sidecar, by partition and trigger (change, truncate_recheck, explicit)."),
+        (EVENTS_PUBLISHED, Count, "Events written to the outbox, by entity and trigger (change, truncate_recheck, explicit)."),
+        (EVENTS_UNCHANGED, Count, "Aggregates looked at whose state equals the stored version, so no event, by entity and trigger (change, truncate_recheck, explicit)."),
         (RELAY_SENT, Count, "Events the relay sent to the sink and marked dequeued."),
         (RELAY_FAILURES, Count, "Relay attempts that failed; the rows stay pending and are retried in order."),
+        (REFRESH_FAILURES, Count, "Reads of the pipeline-wide gauges (slot, outbox, Kafka lag, explicit keys) that failed or timed out; those gauges keep their last values."),
         (DEAD_LETTERS, Count, "Records or events set aside: stage=transport for undecodable change records, stage=sink for events the sink rejected."),
     ];
     for (name, unit, help) in counters {
@@ -112,8 +118,9 @@ pub fn describe() {
         (OUTBOX_PENDING, Count, "Outbox rows not yet relayed."),
         (OUTBOX_OLDEST_PENDING, Seconds, "Age of the oldest outbox row not yet relayed; 0 when none is."),
         (TRANSPORT_LAG, Count, "Change records sent and not yet applied, by partition."),
-        (TRANSPORT_QUEUE_CAPACITY, Count, "Batches each in-process partition channel holds (Debezium: QueueTotalCapacity)."),
+        (TRANSPORT_QUEUE_CAPACITY, Count, "Batches each in-process partition channel holds, in batches (Debezium: QueueTotalCapacity)."),
         (EXPLICIT_PENDING, Count, "Keys explicit runs queued and not yet published."),
+        (REFRESHED_AT, Seconds, "Unix time of the last successful read of the pipeline-wide gauges."),
         (INFO, Count, "1, labelled with the skein command and version serving these metrics."),
     ];
     for (name, unit, help) in gauges {
@@ -122,17 +129,19 @@ pub fn describe() {
     let histograms: &[(&str, &str)] = &[
         (EXTRACTOR_HANDOVER, "Hand-over time of an extractor batch: transport acknowledgement plus the marker write."),
         (APPLIER_BATCH_DURATION, "Duration of an applier batch: hydration, versioning and the sidecar commit."),
-        (EVENT_LATENCY, "Time from an event's source commit to its outbox commit."),
+        (EVENT_LATENCY, "Time from an event's source commit to its outbox commit (events of changes; not explicit or re-check events)."),
     ];
     for (name, help) in histograms {
         describe_histogram!(*name, Seconds, *help);
     }
 }
 
-/// Registers every metric at 0 (each entity's and partition's too), so
-/// the first scrape shows them all: an alert on a counter that never moved
-/// (no data loss yet) needs the series to exist.
-pub fn register(entities: &[&str], partitions: u32) {
+/// Registers every metric at 0 (each entity's and partition's too, with
+/// `trigger="change"`), so the first scrape shows them all: an alert on a
+/// counter that never moved (no data loss yet) needs the series to exist.
+/// `pipeline_gauges`: this process also serves the pipeline-wide gauges
+/// (outbox, explicit keys; see [`PIPELINE_GAUGES`]).
+pub fn register(entities: &[&str], partitions: u32, pipeline_gauges: bool) {
     for name in [
         SOURCE_CHANGES,
         SOURCE_TRANSACTIONS,
@@ -141,6 +150,7 @@ pub fn register(entities: &[&str], partitions: u32) {
         DATA_LOSS,
         RELAY_SENT,
         RELAY_FAILURES,
+        REFRESH_FAILURES,
     ] {
         metrics::counter!(name).increment(0);
     }
@@ -148,19 +158,37 @@ pub fn register(entities: &[&str], partitions: u32) {
         metrics::counter!(DEAD_LETTERS, "stage" => stage).increment(0);
     }
     for e in entities {
-        metrics::counter!(EVENTS_PUBLISHED, "entity" => e.to_string()).increment(0);
-        metrics::counter!(EVENTS_UNCHANGED, "entity" => e.to_string()).increment(0);
+        let e = e.to_string();
+        metrics::counter!(EVENTS_PUBLISHED, "entity" => e.clone(), "trigger" => "change")
+            .increment(0);
+        metrics::counter!(EVENTS_UNCHANGED, "entity" => e, "trigger" => "change").increment(0);
     }
     for p in 0..partitions {
         let p = p.to_string();
         metrics::counter!(APPLIER_RECORDS, "partition" => p.clone()).increment(0);
         metrics::counter!(APPLIER_DUPLICATES, "partition" => p.clone()).increment(0);
-        metrics::counter!(APPLIER_BATCHES, "partition" => p).increment(0);
+        metrics::counter!(APPLIER_BATCHES, "partition" => p, "trigger" => "change").increment(0);
     }
-    for g in [OUTBOX_PENDING, OUTBOX_OLDEST_PENDING, EXPLICIT_PENDING] {
-        metrics::gauge!(g).set(0.0);
+    if pipeline_gauges {
+        for g in [OUTBOX_PENDING, OUTBOX_OLDEST_PENDING, EXPLICIT_PENDING] {
+            metrics::gauge!(g).set(0.0);
+        }
     }
 }
+
+/// The gauges read by a query of the whole pipeline's state (the slot,
+/// the outbox, the Kafka partitions, the explicit queue). Only the
+/// extractor's process (`skein run` or `skein extract`, one per pipeline)
+/// serves them, so a sum over every process of a pipeline is the value.
+pub const PIPELINE_GAUGES: &[&str] = &[
+    SOURCE_LAG_BYTES,
+    SOURCE_RETAINED_BYTES,
+    SOURCE_UNREAD_AGE,
+    OUTBOX_PENDING,
+    OUTBOX_OLDEST_PENDING,
+    EXPLICIT_PENDING,
+    TRANSPORT_LAG,
+];
 
 /// Seconds from `micros` (since the Unix epoch) to now; 0 when the clock
 /// says it is in the future (clocks of two machines).

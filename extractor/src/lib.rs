@@ -380,8 +380,11 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
             if sent_loss {
                 metrics::counter!(m::DATA_LOSS).increment(1);
             }
-            if let Some(c) = newest_commit {
-                metrics::gauge!(m::SOURCE_LAG).set(m::seconds_since(c));
+            match newest_commit {
+                Some(c) => metrics::gauge!(m::SOURCE_LAG).set(m::seconds_since(c)),
+                // Read up to here and nothing tracked in it: caught up.
+                None if batch.in_flight.is_none() => metrics::gauge!(m::SOURCE_LAG).set(0.0),
+                None => {}
             }
             if batch.transactions > 0 {
                 info!(

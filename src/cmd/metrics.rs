@@ -43,38 +43,50 @@ pub fn serve(cfg: &Config, command: &'static str) -> anyhow::Result<()> {
         .with_context(|| format!("serving metrics on {at}"))?;
     m::describe();
     let entities: Vec<&str> = cfg.entities.iter().map(|e| e.name.as_str()).collect();
-    m::register(&entities, cfg.transport.partitions());
+    // The pipeline-wide gauges come from the one extractor process.
+    let pipeline = matches!(command, "run" | "extract");
+    m::register(&entities, cfg.transport.partitions(), pipeline);
     metrics::gauge!(m::INFO, "command" => command, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     info!(addr = %at, "serving Prometheus metrics on /metrics");
-    tokio::spawn(refresh(cfg.clone()));
+    if pipeline {
+        tokio::spawn(refresh(cfg.clone()));
+    }
     Ok(())
 }
 
-/// Sets the queried gauges from the status every `metrics.refresh_ms`,
-/// for as long as the process runs. A failing read (the sidecar or the
-/// source away) is said once; the gauges keep their last values.
+/// Sets the queried gauges from the status at once and then every
+/// `metrics.refresh_ms`, for as long as the process runs. A read that
+/// fails or takes longer than the period (10 s at least) is counted and
+/// said once; the gauges keep their last values, and
+/// `skein_metrics_last_refresh_timestamp_seconds` tells how old they are.
 async fn refresh(cfg: Config) {
     let period = Duration::from_millis(cfg.metrics.refresh_ms);
+    let limit = period.max(Duration::from_secs(10));
     let mut sidecar: Option<AnySidecar> = None;
     let mut failing = false;
     loop {
-        tokio::time::sleep(period).await;
-        let status = match &mut sidecar {
-            Some(sc) => super::status::collect(&cfg, sc).await,
-            None => match super::sidecar(&cfg).await {
-                Ok(sc) => super::status::collect(&cfg, sidecar.insert(sc)).await,
-                Err(e) => Err(e),
-            },
+        let read = async {
+            let sc = match sidecar.take() {
+                Some(sc) => sc,
+                None => super::sidecar(&cfg).await?,
+            };
+            super::status::collect(&cfg, sidecar.insert(sc)).await
+        };
+        let status = match tokio::time::timeout(limit, read).await {
+            Ok(s) => s,
+            Err(_) => Err(anyhow::anyhow!("no answer within {limit:?}")),
         };
         match status {
             Ok(s) => {
                 set_gauges(&s);
+                metrics::gauge!(m::REFRESHED_AT).set(now_secs());
                 if failing {
-                    info!("metrics: the lag and outbox gauges are refreshed again");
+                    info!("metrics: the pipeline-wide gauges are refreshed again");
                     failing = false;
                 }
             }
             Err(e) => {
+                metrics::counter!(m::REFRESH_FAILURES).increment(1);
                 // A new connection next time: this one may be what broke.
                 sidecar = None;
                 if !failing {
@@ -83,7 +95,14 @@ async fn refresh(cfg: Config) {
                 }
             }
         }
+        tokio::time::sleep(period).await;
     }
+}
+
+fn now_secs() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The gauges a status holds.
