@@ -91,6 +91,10 @@ pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
 pub enum Current {
     /// The root row does not exist.
     Missing,
+    /// The root row exists, but an `inner` lookup join of it found no row:
+    /// as the entity is configured, there is no such aggregate. No delete
+    /// is on its way for it (lookups are not captured).
+    Excluded,
     /// The root exists.
     Present {
         /// Entity JSON (root columns, children nested).
@@ -147,6 +151,8 @@ pub struct DeletePayload {
 /// * gone (or logically deleted) and a delete in the batch, or logically
 ///   deleted → **delete**, unless the stored version is already a delete;
 /// * gone without a delete in this batch → nothing (the delete is on its way);
+/// * excluded by an `inner` lookup → **delete** where a live version exists
+///   (it left the entity's set; no delete of the root will come), else nothing;
 /// * present → the first op decides create/update (create, too, when the
 ///   stored version is a delete); an etag equal to the stored one → nothing.
 pub fn decide(
@@ -157,8 +163,15 @@ pub fn decide(
 ) -> Option<Decision> {
     let already_deleted = stored.is_some_and(|s| s.is_deleted);
     match current {
-        Current::Missing => {
-            if !c.has_delete || already_deleted {
+        Current::Missing | Current::Excluded => {
+            let publish = match current {
+                // Unless it is in this batch, the root's delete is on its
+                // way; sent even where no version was stored.
+                Current::Missing => c.has_delete,
+                // Left the set: only consumers that have it need to hear.
+                _ => stored.is_some(),
+            };
+            if !publish || already_deleted {
                 return None;
             }
             Some(Decision {
@@ -238,7 +251,7 @@ pub fn decide_explicit(
     republish: bool,
 ) -> Option<Decision> {
     let gone = match current {
-        Current::Missing => true,
+        Current::Missing | Current::Excluded => true,
         Current::Present { is_deleted, .. } => *is_deleted,
     };
     if gone {
@@ -474,6 +487,30 @@ mod tests {
         );
     }
 
+    /// A root an `inner` lookup excludes: a delete for those that have it
+    /// (no delete of the root is coming), nothing for those that never did.
+    #[test]
+    fn an_excluded_aggregate_is_deleted_once_where_it_was_published() {
+        let live = Stored {
+            etag: Some("e".into()),
+            is_deleted: false,
+        };
+        let gone = Stored {
+            etag: None,
+            is_deleted: true,
+        };
+        let act = |ops: &[Op], st: Option<&Stored>| {
+            decide(&one(ops), &Current::Excluded, st, &payload()).map(|d| (d.action, d.data))
+        };
+        assert_eq!(
+            act(&[Op::Update], Some(&live)),
+            Some((Action::Deleted, json!({"id": 1})))
+        );
+        assert_eq!(act(&[Op::Insert], None), None);
+        assert_eq!(act(&[Op::Update, Op::Delete], None), None);
+        assert_eq!(act(&[Op::Update], Some(&gone)), None);
+    }
+
     #[test]
     fn logical_delete_keeps_key_and_included_columns() {
         let cur = Current::Present {
@@ -529,7 +566,7 @@ mod tests {
         assert_eq!(act(&present(v.clone()), None, true), Some(Action::Created));
         // Gone: a delete only where a live version exists (or, republished,
         // any version).
-        for cur in [&Current::Missing, &logically_deleted] {
+        for cur in [&Current::Missing, &Current::Excluded, &logically_deleted] {
             assert_eq!(act(cur, None, false), None);
             assert_eq!(act(cur, None, true), None);
             assert_eq!(act(cur, Some(&live), false), Some(Action::Deleted));

@@ -14,7 +14,7 @@ use tracing::warn;
 
 use crate::connect_postgres;
 use serde_json::{Map, Value};
-use skein_common::config::{self, Cardinality, Config, EntityConfig, TableNode};
+use skein_common::config::{self, Cardinality, Config, EntityConfig, JoinType, TableNode};
 use skein_common::failpoint::failpoint;
 use skein_common::sqlvalue::SqlValue;
 use skein_common::{Dialect, RootKey};
@@ -373,6 +373,8 @@ struct Row {
     data: Value,
     etag_input: Value,
     is_deleted: bool,
+    /// An `inner` lookup join of this row found no row: it is left out.
+    excluded: bool,
 }
 
 impl EntityHydrator {
@@ -568,6 +570,7 @@ impl EntityHydrator {
             data,
             etag_input,
             is_deleted,
+            excluded: false,
         })
     }
 
@@ -623,6 +626,7 @@ impl EntityHydrator {
                     data,
                     etag_input,
                     is_deleted: r.get(4),
+                    excluded: false,
                 });
             }
             per_node.push(out);
@@ -647,7 +651,13 @@ fn as_params(arrays: &[Vec<Option<String>>]) -> Vec<&(dyn tokio_postgres::types:
         .collect()
 }
 
-/// Nests child rows under their parents, deepest first.
+/// Nests child rows under their parents, deepest first (a child's index is
+/// above its parent's, so a row is complete, or left out, before it is
+/// nested). Every join puts what matched under its name: an array
+/// (`one_to_many`) or the first row or `null` (`one_to_one`); where an
+/// `inner` join matched nothing, the parent row is left out as SQL's inner
+/// join leaves it out: a child drops out of its parent, a root is
+/// [`Current::Excluded`].
 fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) -> Vec<Current> {
     for i in (1..nodes.len()).rev() {
         let child = &nodes[i];
@@ -656,7 +666,7 @@ fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) 
         // (root ordinal, join values) → that parent's children as (data, etag input)
         type Children = HashMap<(i64, Vec<Option<String>>), Vec<(Value, Value)>>;
         let mut by_link: Children = HashMap::new();
-        for r in rows {
+        for r in rows.into_iter().filter(|r| !r.excluded) {
             by_link
                 .entry((r.ord, r.link))
                 .or_default()
@@ -664,7 +674,7 @@ fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) 
         }
         let ref_cols: Vec<&str> = child.on.iter().map(|o| o.to_column.as_str()).collect();
         for prow in per_node[parent].iter_mut() {
-            if prow.data.is_null() {
+            if prow.data.is_null() || prow.excluded {
                 continue;
             }
             let link: Vec<Option<String>> = ref_cols
@@ -672,6 +682,10 @@ fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) 
                 .map(|c| prow.refs.get(*c).cloned().flatten())
                 .collect();
             let kids = by_link.get(&(prow.ord, link)).cloned().unwrap_or_default();
+            if kids.is_empty() && child.join_type == JoinType::Inner {
+                prow.excluded = true;
+                continue;
+            }
             let (data, etag): (Vec<Value>, Vec<Value>) = kids.into_iter().unzip();
             let (dv, ev) = match child.cardinality {
                 Cardinality::OneToMany => (Value::Array(data), Value::Array(etag)),
@@ -691,7 +705,9 @@ fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) 
     let mut out = vec![Current::Missing; key_count];
     for r in std::mem::take(&mut per_node[0]) {
         let idx = (r.ord - 1) as usize;
-        if idx < key_count && !r.data.is_null() {
+        if idx < key_count && r.excluded {
+            out[idx] = Current::Excluded;
+        } else if idx < key_count && !r.data.is_null() {
             out[idx] = Current::Present {
                 data: r.data,
                 etag_input: r.etag_input,
@@ -735,48 +751,50 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn assemble_nests_three_levels_in_order() {
-        let cfg = Config::from_yaml(
-            r#"
-source: { kind: postgres, url: x }
-entities:
-  - name: customer
-    table: customer
-    joins:
-      - { name: addresses, table: address, on: [{ name: customer_id, to_column: id }] }
-      - { name: lines, table: address_line, join_to: addresses, on: [{ name: address_id, to_column: id }] }
-      - { name: profile, table: profile, cardinality: one_to_one, on: [{ name: customer_id, to_column: id }] }
-"#,
-            "t",
-        )
-        .unwrap();
-        let nodes = cfg.entities[0].nodes();
-        let row = |ord, link: Vec<&str>, refs: Vec<(&str, &str)>, data: Value| Row {
+    /// A hydrated row of an existing table row.
+    fn row(ord: i64, link: &[&str], refs: &[(&str, &str)], data: Value) -> Row {
+        Row {
             ord,
-            link: link.into_iter().map(|s| Some(s.to_string())).collect(),
+            link: link.iter().map(|s| Some(s.to_string())).collect(),
             refs: refs
-                .into_iter()
+                .iter()
                 .map(|(k, v)| (k.to_string(), Some(v.to_string())))
                 .collect(),
             etag_input: data.clone(),
             data,
             is_deleted: false,
-        };
+            excluded: false,
+        }
+    }
+
+    /// The tables of entity `customer` (root `customer`) with `joins`
+    /// (YAML list items).
+    fn customer_nodes(joins: &str) -> Vec<TableNode> {
+        let text = format!(
+            "source: {{ kind: postgres, url: x }}\nentities:\n  - name: customer\n    table: customer\n    joins:\n{joins}"
+        );
+        Config::from_yaml(&text, "t").unwrap().entities[0].nodes()
+    }
+
+    #[test]
+    fn assemble_nests_three_levels_in_order() {
+        let nodes = customer_nodes(
+            r#"
+      - { name: addresses, table: address, on: [{ name: customer_id, to_column: id }] }
+      - { name: lines, table: address_line, join_to: addresses, on: [{ name: address_id, to_column: id }] }
+      - { name: profile, table: profile, cardinality: one_to_one, on: [{ name: customer_id, to_column: id }] }
+"#,
+        );
         let per_node = vec![
             vec![
-                row(1, vec![], vec![("id", "1")], json!({"id": 1})),
-                Row {
-                    data: Value::Null,
-                    etag_input: Value::Null,
-                    ..row(2, vec![], vec![], Value::Null)
-                },
+                row(1, &[], &[("id", "1")], json!({"id": 1})),
+                row(2, &[], &[], Value::Null),
             ],
             vec![
-                row(1, vec!["1"], vec![("id", "10")], json!({"id": 10})),
-                row(1, vec!["1"], vec![("id", "11")], json!({"id": 11})),
+                row(1, &["1"], &[("id", "10")], json!({"id": 10})),
+                row(1, &["1"], &[("id", "11")], json!({"id": 11})),
             ],
-            vec![row(1, vec!["11"], vec![], json!({"n": 1}))],
+            vec![row(1, &["11"], &[], json!({"n": 1}))],
             vec![],
         ];
         let out = assemble(&nodes, per_node, 2);
@@ -788,6 +806,50 @@ entities:
             &json!({"id": 1, "profile": null, "addresses": [{"id": 10, "lines": []}, {"id": 11, "lines": [{"n": 1}]}]})
         );
         assert_eq!(out[1], Current::Missing);
+    }
+
+    /// `inner` leaves a parent without a matching row out (a child drops
+    /// out of its array, a root is excluded); `left` keeps it with `null`.
+    #[test]
+    fn inner_lookups_leave_unmatched_parents_out_and_left_lookups_keep_them() {
+        let nodes = customer_nodes(
+            r#"
+      - { name: addresses, table: address, on: [{ name: customer_id, to_column: id }] }
+      - { name: region, table: region, join_to: addresses, type: inner, cardinality: one_to_one,
+          on: [{ name: id, to_column: region_id }] }
+      - { name: tier, table: tier, type: left, cardinality: one_to_one, on: [{ name: code, to_column: tier_code }] }
+      - { name: vip, table: vip, type: inner, on: [{ name: customer_id, to_column: id }] }
+"#,
+        );
+        let root_refs = |id| [("id", id), ("tier_code", "none")];
+        let per_node = vec![
+            vec![
+                row(1, &[], &root_refs("1"), json!({"id": 1})),
+                row(2, &[], &root_refs("2"), json!({"id": 2})),
+            ],
+            vec![
+                row(1, &["1"], &[("region_id", "7")], json!({"id": 10})),
+                row(1, &["1"], &[("region_id", "8")], json!({"id": 11})),
+                row(2, &["2"], &[("region_id", "7")], json!({"id": 20})),
+            ],
+            vec![
+                row(1, &["7"], &[], json!({"name": "north"})),
+                row(2, &["7"], &[], json!({"name": "north"})),
+            ],
+            vec![],
+            vec![row(1, &["1"], &[], json!({"since": 2020}))],
+        ];
+        let out = assemble(&nodes, per_node, 3);
+        let Current::Present { data, .. } = &out[0] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            data,
+            &json!({"id": 1, "addresses": [{"id": 10, "region": {"name": "north"}}],
+                    "tier": null, "vip": [{"since": 2020}]})
+        );
+        assert_eq!(out[1], Current::Excluded, "no vip row: {out:?}");
+        assert_eq!(out[2], Current::Missing);
     }
 
     #[test]

@@ -210,7 +210,7 @@ pub fn count_tracked<'a>(
 pub fn table_index(plans: &[EntityPlan]) -> TableIndex {
     let mut by_table: TableIndex = HashMap::new();
     for (pi, p) in plans.iter().enumerate() {
-        for n in p.nodes.iter().filter(|n| n.tracked) {
+        for n in p.nodes.iter().filter(|n| n.tracked()) {
             by_table
                 .entry((n.schema.clone(), n.table.clone()))
                 .or_default()

@@ -66,16 +66,26 @@ pub enum Cardinality {
     OneToOne,
 }
 
-/// Whether a join is tracked by CDC.
+/// Whether a join is tracked by CDC, and what a missing row does.
+///
+/// nTangle's vocabulary (`type: Cdc|Inner|Left`): a `cdc` join's table is
+/// captured; `inner` and `left` are lookups, read when the aggregate is
+/// hydrated but never captured, so a change of a lookup table alone
+/// publishes nothing (the next change of its aggregate carries it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JoinType {
-    /// Tracked: a change of this table changes its root.
+    /// Tracked: a change of this table changes its root. Its rows are the
+    /// parent's children when they exist (`[]` / `null` when none do).
     #[default]
     Cdc,
-    /// Read when hydrating, not tracked; only rows that exist.
+    /// A lookup that must match: a parent row with no matching row is
+    /// left out, as SQL's inner join leaves it out: a child row drops out
+    /// of its parent's array (or becomes `null`), and a root that does not
+    /// match is no aggregate (a consumer that had it gets a delete).
     Inner,
-    /// Read when hydrating, not tracked.
+    /// A lookup that may match: the parent is kept, the join is `null`
+    /// (`one_to_one`) or `[]` (`one_to_many`) when no row matches.
     Left,
 }
 
@@ -106,7 +116,8 @@ pub struct JoinConfig {
     /// `one_to_many` (array) or `one_to_one` (object or null).
     #[serde(default)]
     pub cardinality: Cardinality,
-    /// `cdc` (tracked), `inner` or `left` (hydration only).
+    /// `cdc` (tracked), `inner` or `left` (lookups, hydration only; see
+    /// [`JoinType`]).
     #[serde(default, rename = "type")]
     pub join_type: JoinType,
     /// Key columns; default the table's primary key. Orders child arrays.
@@ -164,8 +175,8 @@ pub struct TableNode {
     pub on: Vec<JoinOn>,
     /// Cardinality below the parent.
     pub cardinality: Cardinality,
-    /// Whether changes of this table are captured.
-    pub tracked: bool,
+    /// `cdc` (captured) or a lookup (`inner`, `left`); the root is `cdc`.
+    pub join_type: JoinType,
     /// Configured key columns, if any.
     pub key: Option<Vec<String>>,
     /// Include list (empty = all).
@@ -186,6 +197,11 @@ impl TableNode {
     pub fn qualified(&self) -> String {
         format!("{}.{}", self.schema, self.table)
     }
+
+    /// Whether changes of this table are captured (a `cdc` join or the root).
+    pub fn tracked(&self) -> bool {
+        self.join_type == JoinType::Cdc
+    }
 }
 
 impl EntityConfig {
@@ -201,7 +217,7 @@ impl EntityConfig {
             table: self.table.clone(),
             on: vec![],
             cardinality: Cardinality::OneToOne,
-            tracked: true,
+            join_type: JoinType::Cdc,
             key: self.key.clone(),
             include_columns: self.include_columns.clone(),
             exclude_columns: self.exclude_columns.clone(),
@@ -221,7 +237,7 @@ impl EntityConfig {
                 table: j.table.clone(),
                 on: j.on.clone(),
                 cardinality: j.cardinality,
-                tracked: j.join_type == JoinType::Cdc,
+                join_type: j.join_type,
                 key: j.key.clone(),
                 include_columns: j.include_columns.clone(),
                 exclude_columns: j.exclude_columns.clone(),

@@ -796,6 +796,44 @@ entities:
     }
 
     #[test]
+    fn join_types_reach_the_tree_and_only_cdc_joins_are_tracked() {
+        let c = Config::from_yaml(
+            &SAMPLE.replace(
+                "join_to: addresses\n",
+                "join_to: addresses\n        type: left\n",
+            ),
+            "t.yaml",
+        )
+        .unwrap();
+        let nodes = c.entities[0].nodes();
+        let types: Vec<(JoinType, bool)> =
+            nodes.iter().map(|n| (n.join_type, n.tracked())).collect();
+        assert_eq!(
+            types,
+            [
+                (JoinType::Cdc, true),
+                (JoinType::Cdc, true),
+                (JoinType::Left, false)
+            ]
+        );
+        let c = Config::from_yaml(
+            &SAMPLE.replace(
+                "join_to: addresses\n",
+                "join_to: addresses\n        type: inner\n",
+            ),
+            "t.yaml",
+        )
+        .unwrap();
+        assert_eq!(c.entities[0].nodes()[2].join_type, JoinType::Inner);
+        let bad = SAMPLE.replace(
+            "join_to: addresses\n",
+            "join_to: addresses\n        key: []\n",
+        );
+        let e = Config::from_yaml(&bad, "t.yaml").unwrap_err().to_string();
+        assert!(e.contains("entities[0].joins[1].key"), "{e}");
+    }
+
+    #[test]
     fn env_references_expand_and_missing_ones_name_the_line() {
         let look = |n: &str| (n == "PG").then(|| "postgres://h/db".to_string());
         assert_eq!(

@@ -244,6 +244,12 @@ impl RawConfig {
                         "a join needs at least one column pair".into(),
                     ));
                 }
+                if matches!(&j.key, Some(k) if k.is_empty()) {
+                    return Err(err(
+                        &jat("key"),
+                        "must name at least one column (leave it out for the primary key)".into(),
+                    ));
+                }
                 if !j.include_columns.is_empty() && !j.exclude_columns.is_empty() {
                     return Err(err(
                         &jat("exclude_columns"),

@@ -138,7 +138,7 @@ pub struct TrackedTable {
 pub fn tracked_tables(cfg: &Config, catalog: &Catalog) -> Vec<TrackedTable> {
     let mut out: Vec<TrackedTable> = vec![];
     for e in &cfg.entities {
-        for n in e.nodes().iter().filter(|n| n.tracked) {
+        for n in e.nodes().iter().filter(|n| n.tracked()) {
             let key = catalog.key_columns(n);
             let pk: BTreeSet<String> = catalog
                 .node(n)
