@@ -16,6 +16,8 @@ pub struct Consolidated {
     pub key: RootKey,
     /// The first operation in position order.
     pub first_op: Op,
+    /// Whether any operation inserted the root row.
+    pub has_insert: bool,
     /// Whether any operation was a delete of the root, or a TRUNCATE that
     /// may have removed it (a root gone now is then deleted: no delete
     /// follows a TRUNCATE).
@@ -45,6 +47,7 @@ impl Consolidated {
             entity: entity.to_string(),
             key,
             first_op: Op::Update,
+            has_insert: false,
             has_delete: true,
             last_position: at,
             commit_time_micros: now_micros,
@@ -64,6 +67,7 @@ pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
             Some(i) => {
                 let c = &mut out[*i];
                 c.has_delete |= matches!(r.op, Op::Delete | Op::Truncate);
+                c.has_insert |= r.op == Op::Insert;
                 c.last_position = c.last_position.max(r.position);
                 c.commit_time_micros = c.commit_time_micros.max(r.commit_time_micros);
                 c.records += 1;
@@ -74,6 +78,7 @@ pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
                     entity: r.entity.clone(),
                     key: r.root_key.clone(),
                     first_op: r.op,
+                    has_insert: r.op == Op::Insert,
                     has_delete: matches!(r.op, Op::Delete | Op::Truncate),
                     last_position: r.position,
                     commit_time_micros: r.commit_time_micros,
@@ -213,7 +218,11 @@ pub fn decide(
                     return None;
                 }
             }
-            let action = if c.first_op == Op::Insert || already_deleted {
+            // Create wins: the root was inserted in this batch and no
+            // consumer has seen it (a child change of the same transaction
+            // may come first, resolved to the root by a lookup).
+            let unseen = stored.is_none() && c.has_insert;
+            let action = if c.first_op == Op::Insert || already_deleted || unseen {
                 Action::Created
             } else {
                 Action::Updated
@@ -355,6 +364,26 @@ mod tests {
         );
         assert_eq!(c[0].last_position.seq, 2);
         assert_eq!((c[1].first_op, c[1].has_delete), (Op::Update, false));
+    }
+
+    /// Create wins: a child change resolved to a root inserted later in
+    /// the same batch (the lookup saw the new root) is still a create when
+    /// nothing was published; with a live version it stays an update.
+    #[test]
+    fn a_root_inserted_after_its_child_is_a_create_when_never_published() {
+        let c = one(&[Op::Update, Op::Insert]);
+        assert!(c.has_insert);
+        let now = present(json!({"id": 1, "name": "a"}));
+        let d = decide(&c, &now, None, &payload()).unwrap();
+        assert_eq!(d.action, Action::Created);
+        let live = Stored {
+            etag: Some("other".into()),
+            is_deleted: false,
+        };
+        let d = decide(&c, &now, Some(&live), &payload()).unwrap();
+        assert_eq!(d.action, Action::Updated);
+        let d = decide(&one(&[Op::Update]), &now, None, &payload()).unwrap();
+        assert_eq!(d.action, Action::Updated, "no insert seen: an update");
     }
 
     /// A TRUNCATE re-check: gone → deleted (no delete follows a TRUNCATE),
