@@ -20,6 +20,7 @@ pub mod spill;
 pub mod sqlserver;
 
 use std::future::Future;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use skein_common::config::{Config, Source};
@@ -27,7 +28,8 @@ use skein_common::failpoint::failpoint;
 use skein_common::metrics as m;
 use skein_common::{ChangeRecord, SourcePosition};
 use skein_sql::Catalog;
-use skein_transporter::{Batch, Transport};
+use skein_transporter::{Ack, Batch, Transport};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, Instrument};
 
@@ -274,8 +276,7 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
         let has_data_loss = stored.as_ref().is_some_and(|m| m.has_data_loss) || start.data_loss;
         // A loss not yet carried to the sidecar: found now, or recorded in
         // the marker by a reset (or a start that crashed before sending).
-        let mut pending_loss =
-            start.data_loss || stored.as_ref().is_some_and(|m| m.loss_unreported);
+        let pending_loss = start.data_loss || stored.as_ref().is_some_and(|m| m.loss_unreported);
         // What was handed over of a transaction in flight holds only
         // while the marker's position does.
         let in_flight = stored
@@ -305,104 +306,494 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
                 in_flight_end = %f.end, in_flight_changes = f.changes,
                 "extractor started; {}", f.resumption()),
         }
-        let mut lower = start.position;
-        let mut seq = 0u64;
         let limits = BatchLimits {
             max_changes: cfg.extractor.max_batch_changes,
             linger: Duration::from_millis(cfg.extractor.batch_linger_ms),
             max_wait: Duration::from_millis(cfg.extractor.max_batch_wait_ms),
         };
-        while !cancel.is_cancelled() {
-            let batch = tokio::select! {
-                b = source.next_batch(lower, limits) => b?,
-                _ = cancel.cancelled() => break,
-            };
-            // Hand-over time: transport acknowledgement plus marker write.
-            let t0 = Instant::now();
-            let Some(upper) = batch.upper.filter(|u| *u > lower) else {
-                // A wait that found nothing new: caught up.
-                metrics::gauge!(m::SOURCE_LAG).set(0.0);
-                continue;
-            };
-            let record_count = batch.records.len();
-            let newest_commit = batch.records.iter().map(|r| r.commit_time_micros).max();
-            let sent_loss = pending_loss;
-            // A part of a transaction in flight completes nothing past
-            // `lower`: the marker, the slot and the batch's upper bound stay.
-            let done = if batch.in_flight.is_some() {
-                lower
-            } else {
-                upper
-            };
-            if !batch.records.is_empty() || pending_loss {
-                seq += 1;
-                transport
-                    .send(Batch {
-                        seq,
-                        lower,
-                        upper: done,
-                        has_data_loss: pending_loss,
-                        records: batch.records,
-                    })
-                    .await?;
-                // Only a batch the transport acknowledged has a window
-                // between its ack and the marker (a batch of untracked
-                // transactions sends nothing).
-                failpoint("extractor.after_ack_before_marker");
-            }
-            if batch.in_flight.is_some() {
-                failpoint("extractor.after_part_ack_before_marker");
-            }
-            // Whatever loss was pending went with this batch (a batch is
-            // sent whenever one is pending), acknowledged.
-            markers.store(&Marker {
-                position: done,
-                has_data_loss,
-                updated_at: marker::now_stamp(),
-                loss_unreported: false,
-                in_flight: batch.in_flight,
-            })?;
-            if let Some(f) = batch.in_flight {
-                info!(batch = seq, end = %f.end, handed_over = f.changes, records = record_count,
-                    "part of a large transaction acknowledged");
-                failpoint("extractor.after_part_marker");
-            } else {
-                source.confirm(done);
-            }
-            pending_loss = false;
-            metrics::counter!(m::SOURCE_CHANGES).increment(batch.changes as u64);
-            metrics::counter!(m::SOURCE_TRANSACTIONS).increment(batch.transactions as u64);
-            if record_count > 0 || sent_loss {
-                metrics::counter!(m::EXTRACTOR_BATCHES).increment(1);
-                metrics::counter!(m::EXTRACTOR_RECORDS).increment(record_count as u64);
-                metrics::histogram!(m::EXTRACTOR_HANDOVER).record(t0.elapsed().as_secs_f64());
-            }
-            if sent_loss {
-                metrics::counter!(m::DATA_LOSS).increment(1);
-            }
-            match newest_commit {
-                Some(c) => metrics::gauge!(m::SOURCE_LAG).set(m::seconds_since(c)),
-                // Read up to here and nothing tracked in it: caught up.
-                None if batch.in_flight.is_none() => metrics::gauge!(m::SOURCE_LAG).set(0.0),
-                None => {}
-            }
-            if batch.transactions > 0 {
-                info!(
-                    batch = seq,
-                    lower = %lower,
-                    upper = %upper,
-                    transactions = batch.transactions,
-                    changes = batch.changes,
-                    records = record_count,
-                    ms = t0.elapsed().as_millis() as u64,
-                    "batch acknowledged"
-                );
-            }
-            lower = done;
-        }
+        let lower = pipeline(
+            source,
+            start.position,
+            limits,
+            pending_loss,
+            has_data_loss,
+            transport,
+            markers,
+            cfg.extractor.max_batches_in_flight,
+            &cancel,
+        )
+        .await?;
         info!(position = %lower, "extractor stopped");
         Ok(())
     }
     .instrument(span)
     .await
+}
+
+/// Pipelined batches: the reader reads and resolves the next batch while
+/// the transport works on the ones before it, at most `window` of them; the
+/// acknowledger stores the marker and frees the slot strictly in the order
+/// the batches were read. A crash re-sends what was in flight, which the
+/// appliers drop by position. Returns the last position made durable.
+#[allow(clippy::too_many_arguments)]
+async fn pipeline<S: ChangeSource + Send, T: Transport + Sync>(
+    source: &mut S,
+    from: SourcePosition,
+    limits: BatchLimits,
+    pending_loss: bool,
+    has_data_loss: bool,
+    transport: &T,
+    markers: &dyn MarkerStore,
+    window: usize,
+    cancel: &CancellationToken,
+) -> Result<SourcePosition> {
+    let window = Semaphore::new(window.max(1));
+    let (queue, acks) = tokio::sync::mpsc::unbounded_channel::<Sent<'_>>();
+    // The newest position the acknowledger made durable, for the reader to
+    // confirm to the source before its next read.
+    let durable: Mutex<Option<SourcePosition>> = Mutex::new(None);
+    let reader = read_batches(
+        source,
+        from,
+        limits,
+        pending_loss,
+        has_data_loss,
+        transport,
+        &window,
+        queue,
+        &durable,
+        cancel,
+    );
+    let (read, acked) = tokio::join!(reader, async {
+        let r = acknowledge(markers, acks, &durable).await;
+        // The reader may wait for a slot: a failed acknowledger stops it
+        // (it also stops at its next hand-over, finding the queue gone).
+        if r.is_err() {
+            window.close();
+        }
+        r
+    });
+    // The acknowledger's error is the cause when both failed (a reader
+    // whose hand-over found the applier gone).
+    let last = acked?.unwrap_or(from);
+    read?;
+    if let Some(p) = durable.lock().expect("durable position").take() {
+        source.confirm(p);
+    }
+    Ok(last)
+}
+
+/// A batch read and handed over, waiting for its acknowledgement.
+struct Sent<'w> {
+    seq: u64,
+    lower: SourcePosition,
+    upper: SourcePosition,
+    /// The marker to store once acknowledged.
+    marker: Marker,
+    transactions: usize,
+    changes: usize,
+    records: usize,
+    newest_commit: Option<i64>,
+    /// The batch carried the pending data loss.
+    sent_loss: bool,
+    /// `None` when nothing was sent (untracked transactions only): the
+    /// marker still moves, in order.
+    ack: Option<Ack>,
+    /// When the hand-over began.
+    t0: Instant,
+    /// Its place in the window, freed once the marker is stored.
+    _slot: tokio::sync::SemaphorePermit<'w>,
+}
+
+/// Reads, resolves and hands over batches while a slot of the window is
+/// free, queueing each for [`acknowledge`]. Ends on `cancel`, on an error,
+/// or when the window is closed (the acknowledger failed).
+#[allow(clippy::too_many_arguments)]
+async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
+    source: &mut S,
+    from: SourcePosition,
+    limits: BatchLimits,
+    mut pending_loss: bool,
+    has_data_loss: bool,
+    transport: &T,
+    window: &'w Semaphore,
+    queue: tokio::sync::mpsc::UnboundedSender<Sent<'w>>,
+    durable: &Mutex<Option<SourcePosition>>,
+    cancel: &CancellationToken,
+) -> Result<()> {
+    let mut lower = from;
+    let mut seq = 0u64;
+    while !cancel.is_cancelled() {
+        let slot = tokio::select! {
+            s = window.acquire() => match s {
+                Ok(s) => s,
+                // Closed: the acknowledger stopped with an error.
+                Err(_) => break,
+            },
+            _ = cancel.cancelled() => break,
+        };
+        if let Some(p) = durable.lock().expect("durable position").take() {
+            source.confirm(p);
+        }
+        let batch = tokio::select! {
+            b = source.next_batch(lower, limits) => b?,
+            _ = cancel.cancelled() => break,
+        };
+        let t0 = Instant::now();
+        let Some(upper) = batch.upper.filter(|u| *u > lower) else {
+            // A wait that found nothing new: caught up.
+            metrics::gauge!(m::SOURCE_LAG).set(0.0);
+            continue;
+        };
+        let record_count = batch.records.len();
+        let newest_commit = batch.records.iter().map(|r| r.commit_time_micros).max();
+        let sent_loss = pending_loss;
+        // A part of a transaction in flight completes nothing past
+        // `lower`: the marker, the slot and the batch's upper bound stay.
+        let done = if batch.in_flight.is_some() {
+            lower
+        } else {
+            upper
+        };
+        let ack = if !batch.records.is_empty() || pending_loss {
+            seq += 1;
+            let ack = transport
+                .submit(Batch {
+                    seq,
+                    lower,
+                    upper: done,
+                    has_data_loss: pending_loss,
+                    records: batch.records,
+                })
+                .await?;
+            Some(ack)
+        } else {
+            None
+        };
+        // Whatever loss was pending went with this batch (a batch is sent
+        // whenever one is pending); the marker clears it once acknowledged.
+        pending_loss = false;
+        let sent = Sent {
+            seq,
+            lower,
+            upper,
+            marker: Marker {
+                position: done,
+                has_data_loss,
+                updated_at: String::new(),
+                loss_unreported: false,
+                in_flight: batch.in_flight,
+            },
+            transactions: batch.transactions,
+            changes: batch.changes,
+            records: record_count,
+            newest_commit,
+            sent_loss,
+            ack,
+            t0,
+            _slot: slot,
+        };
+        if queue.send(sent).is_err() {
+            // The acknowledger is gone: it says why.
+            break;
+        }
+        lower = done;
+    }
+    Ok(())
+}
+
+/// Waits for each queued batch's acknowledgement in the order they were
+/// read, then stores its marker: the marker never runs ahead of a batch
+/// not acknowledged. Returns the last position stored.
+async fn acknowledge(
+    markers: &dyn MarkerStore,
+    mut acks: tokio::sync::mpsc::UnboundedReceiver<Sent<'_>>,
+    durable: &Mutex<Option<SourcePosition>>,
+) -> Result<Option<SourcePosition>> {
+    let mut last = None;
+    while let Some(sent) = acks.recv().await {
+        let Sent {
+            seq,
+            lower,
+            upper,
+            mut marker,
+            transactions,
+            changes,
+            records,
+            newest_commit,
+            sent_loss,
+            ack,
+            t0,
+            _slot,
+        } = sent;
+        if let Some(ack) = ack {
+            ack.await?;
+            // Only a batch the transport acknowledged has a window between
+            // its ack and the marker (a batch of untracked transactions
+            // sends nothing).
+            failpoint("extractor.after_ack_before_marker");
+        }
+        if marker.in_flight.is_some() {
+            failpoint("extractor.after_part_ack_before_marker");
+        }
+        marker.updated_at = marker::now_stamp();
+        markers.store(&marker)?;
+        last = Some(marker.position);
+        if let Some(f) = marker.in_flight {
+            info!(batch = seq, end = %f.end, handed_over = f.changes, records,
+                "part of a large transaction acknowledged");
+            failpoint("extractor.after_part_marker");
+        } else {
+            *durable.lock().expect("durable position") = Some(marker.position);
+        }
+        metrics::counter!(m::SOURCE_CHANGES).increment(changes as u64);
+        metrics::counter!(m::SOURCE_TRANSACTIONS).increment(transactions as u64);
+        if records > 0 || sent_loss {
+            metrics::counter!(m::EXTRACTOR_BATCHES).increment(1);
+            metrics::counter!(m::EXTRACTOR_RECORDS).increment(records as u64);
+            metrics::histogram!(m::EXTRACTOR_HANDOVER).record(t0.elapsed().as_secs_f64());
+        }
+        if sent_loss {
+            metrics::counter!(m::DATA_LOSS).increment(1);
+        }
+        match newest_commit {
+            Some(c) => metrics::gauge!(m::SOURCE_LAG).set(m::seconds_since(c)),
+            // Read up to here and nothing tracked in it: caught up.
+            None if marker.in_flight.is_none() => metrics::gauge!(m::SOURCE_LAG).set(0.0),
+            None => {}
+        }
+        if transactions > 0 {
+            info!(
+                batch = seq,
+                lower = %lower,
+                upper = %upper,
+                transactions,
+                changes,
+                records,
+                ms = t0.elapsed().as_millis() as u64,
+                "batch acknowledged"
+            );
+        }
+    }
+    Ok(last)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The pipelining logic against a scripted source and transport (pure
+    //! logic; the real sources and transports are covered by the
+    //! integration suites).
+    use std::sync::Arc;
+
+    use skein_common::{ChangePosition, Op, PgLsn, RootKey};
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    fn pos(n: u64) -> SourcePosition {
+        SourcePosition::Pg(PgLsn(n))
+    }
+
+    /// One transaction of one record per batch, positions 1, 2, 3, …
+    #[derive(Default)]
+    struct Scripted {
+        confirmed: Vec<SourcePosition>,
+    }
+
+    impl ChangeSource for Scripted {
+        fn label(&self) -> String {
+            "scripted".into()
+        }
+        async fn prepare(
+            &mut self,
+            _: Option<SourcePosition>,
+            _: Option<SourcePosition>,
+            _: bool,
+        ) -> Result<StartPoint> {
+            unreachable!()
+        }
+        async fn start(&mut self, _: SourcePosition, _: Option<InFlight>) -> Result<()> {
+            Ok(())
+        }
+        async fn next_batch(&mut self, lower: SourcePosition, _: BatchLimits) -> Result<ReadBatch> {
+            let SourcePosition::Pg(PgLsn(l)) = lower else {
+                unreachable!()
+            };
+            let upper = pos(l + 1);
+            Ok(ReadBatch {
+                upper: Some(upper),
+                in_flight: None,
+                transactions: 1,
+                changes: 1,
+                records: vec![ChangeRecord {
+                    entity: "customer".into(),
+                    root_key: RootKey(vec![Some(format!("{}", l + 1))]),
+                    table: "public.customer".into(),
+                    op: Op::Update,
+                    position: ChangePosition {
+                        commit: upper,
+                        seq: 0,
+                    },
+                    tx_id: l + 1,
+                    commit_time_micros: 0,
+                }],
+            })
+        }
+        fn confirm(&mut self, upper: SourcePosition) {
+            self.confirmed.push(upper);
+        }
+    }
+
+    /// Keeps every submitted batch's ack for the test to complete.
+    #[derive(Clone, Default)]
+    struct Held {
+        acks: Arc<Mutex<Vec<(u64, Option<oneshot::Sender<Result<()>>>)>>>,
+    }
+
+    impl Held {
+        fn submitted(&self) -> Vec<u64> {
+            self.acks.lock().unwrap().iter().map(|(s, _)| *s).collect()
+        }
+        fn ack(&self, seq: u64, outcome: Result<()>) {
+            let mut acks = self.acks.lock().unwrap();
+            let (_, tx) = acks.iter_mut().find(|(s, _)| *s == seq).unwrap();
+            let _ = tx.take().unwrap().send(outcome);
+        }
+    }
+
+    impl Transport for Held {
+        async fn submit(&self, batch: Batch) -> skein_transporter::Result<Ack> {
+            let (tx, rx) = oneshot::channel();
+            self.acks.lock().unwrap().push((batch.seq, Some(tx)));
+            Ok(Box::pin(async move {
+                rx.await
+                    .unwrap()
+                    .map_err(|e| skein_transporter::Error::ApplierFailed {
+                        partition: 0,
+                        message: e.to_string(),
+                    })
+            }))
+        }
+    }
+
+    #[derive(Default)]
+    struct Markers(Mutex<Vec<SourcePosition>>);
+
+    impl MarkerStore for Markers {
+        fn load(&self) -> Result<Option<Marker>> {
+            Ok(None)
+        }
+        fn store(&self, m: &Marker) -> Result<()> {
+            self.0.lock().unwrap().push(m.position);
+            Ok(())
+        }
+        fn reset(&self, m: &Marker) -> Result<()> {
+            self.store(m)
+        }
+    }
+
+    const LIMITS: BatchLimits = BatchLimits {
+        max_changes: 10,
+        linger: Duration::ZERO,
+        max_wait: Duration::from_millis(10),
+    };
+
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// The pipeline from position 0, no loss pending.
+    async fn from_zero(
+        source: &mut Scripted,
+        transport: &Held,
+        markers: &Markers,
+        window: usize,
+        cancel: &CancellationToken,
+    ) -> Result<SourcePosition> {
+        let limits = LIMITS;
+        pipeline(
+            source,
+            pos(0),
+            limits,
+            false,
+            false,
+            transport,
+            markers,
+            window,
+            cancel,
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn batches_are_read_ahead_within_the_window_and_marked_in_order() {
+        let transport = Held::default();
+        let markers = Markers::default();
+        let cancel = CancellationToken::new();
+        let mut source = Scripted::default();
+        let run = from_zero(&mut source, &transport, &markers, 3, &cancel);
+        let drive = async {
+            // Three read ahead, no more, and nothing is marked unacknowledged.
+            until("three batches in flight", || {
+                transport.submitted().len() == 3
+            })
+            .await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(transport.submitted(), vec![1, 2, 3]);
+            assert!(markers.0.lock().unwrap().is_empty());
+            // A later ack first: the marker waits for the earlier batch.
+            transport.ack(2, Ok(()));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(markers.0.lock().unwrap().is_empty());
+            assert_eq!(transport.submitted().len(), 3, "a slot freed out of order");
+            transport.ack(1, Ok(()));
+            until("batches 1 and 2 marked", || {
+                markers.0.lock().unwrap().len() == 2
+            })
+            .await;
+            assert_eq!(*markers.0.lock().unwrap(), vec![pos(1), pos(2)]);
+            until("two more read", || transport.submitted().len() == 5).await;
+            // Stopping drains what is in flight.
+            cancel.cancel();
+            for s in 3..=5 {
+                transport.ack(s, Ok(()));
+            }
+        };
+        let (last, ()) = tokio::join!(run, drive);
+        assert_eq!(last.unwrap(), pos(5));
+        assert_eq!(
+            *markers.0.lock().unwrap(),
+            vec![pos(1), pos(2), pos(3), pos(4), pos(5)]
+        );
+        // The source releases only what is durable, the last position too.
+        assert_eq!(source.confirmed.last(), Some(&pos(5)));
+        assert!(source.confirmed.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[tokio::test]
+    async fn a_failed_ack_stops_with_its_error_and_marks_nothing_after_it() {
+        let transport = Held::default();
+        let markers = Markers::default();
+        let cancel = CancellationToken::new();
+        let mut source = Scripted::default();
+        let run = from_zero(&mut source, &transport, &markers, 2, &cancel);
+        let drive = async {
+            until("two batches in flight", || transport.submitted().len() == 2).await;
+            transport.ack(2, Ok(()));
+            transport.ack(1, Err(Error::Decode("the applier could not commit".into())));
+        };
+        let (result, ()) =
+            tokio::time::timeout(Duration::from_secs(10), async { tokio::join!(run, drive) })
+                .await
+                .expect("the failed ack did not stop the extractor");
+        let err = result.unwrap_err().to_string();
+        assert!(err.contains("could not commit"), "{err}");
+        // Batch 2 was acknowledged, but batch 1 before it was not.
+        assert!(markers.0.lock().unwrap().is_empty());
+        assert!(source.confirmed.is_empty());
+    }
 }

@@ -101,10 +101,10 @@ impl Batch {
 }
 
 impl Transport for InProcess {
-    async fn send(&self, batch: Batch) -> Result<()> {
+    async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
         let parts = split(&batch, self.partitions());
-        // Sent and not yet acknowledged, whatever way this returns.
-        let _lag = InFlight::new(&parts);
+        // Sent and not yet acknowledged, whatever way this ends.
+        let lag = InFlight::new(&parts);
         let mut waits = vec![];
         for (p, part) in parts.into_iter().enumerate() {
             let partition = p as u32;
@@ -122,14 +122,17 @@ impl Transport for InProcess {
                 .map_err(|_| Error::Disconnected { partition })?;
             waits.push((partition, rx));
         }
-        for (partition, rx) in waits {
-            match rx.await {
-                Ok(Ok(())) => {}
-                Ok(Err(message)) => return Err(Error::ApplierFailed { partition, message }),
-                Err(_) => return Err(Error::Disconnected { partition }),
+        Ok(Box::pin(async move {
+            let _lag = lag;
+            for (partition, rx) in waits {
+                match rx.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(message)) => return Err(Error::ApplierFailed { partition, message }),
+                    Err(_) => return Err(Error::Disconnected { partition }),
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        }))
     }
 }
 

@@ -84,16 +84,33 @@ pub struct Batch {
     pub records: Vec<ChangeRecord>,
 }
 
+/// A batch's acknowledgement, awaited apart from its hand-over so that
+/// several batches can be in flight.
+pub type Ack = std::pin::Pin<Box<dyn Future<Output = Result<()>> + Send + 'static>>;
+
 /// The extractor side of a transport.
 ///
-/// Contract: `send` hands over one batch and returns only when it is
-/// acknowledged — for the in-process transport, committed by every
-/// partition's applier. Records of one key keep their order. A failed
-/// `send` may have been partly applied; resending the same batch is safe
-/// because appliers drop positions they already committed.
+/// Contract: `submit` hands over one batch, after every batch submitted
+/// before it, and resolves once the batch is queued (waiting for room when
+/// the transport is full), giving its [`Ack`]. The ack resolves only when
+/// the batch is acknowledged — for the in-process transport, committed by
+/// every partition's applier; over Kafka, written by the broker. Records of
+/// one key keep their order, across batches too. Acks may complete out of
+/// order; the caller acts on them in submission order. A failed ack (or
+/// `submit`) may have been partly applied, and so may the batches
+/// submitted after it; resending from the first unacknowledged batch is
+/// safe because appliers drop positions they already committed.
 pub trait Transport {
+    /// Queues a batch and returns its acknowledgement.
+    fn submit(&self, batch: Batch) -> impl Future<Output = Result<Ack>> + Send;
+
     /// Sends a batch and waits for its acknowledgement.
-    fn send(&self, batch: Batch) -> impl std::future::Future<Output = Result<()>> + Send;
+    fn send(&self, batch: Batch) -> impl Future<Output = Result<()>> + Send
+    where
+        Self: Sync,
+    {
+        async move { self.submit(batch).await?.await }
+    }
 }
 
 /// One partition's records handed to the applier, in order, with the

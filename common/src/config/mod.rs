@@ -33,6 +33,8 @@ pub const DEFAULT_MAX_BATCH_CHANGES: usize = 10_000;
 pub const DEFAULT_BATCH_LINGER_MS: u64 = 50;
 /// Default longest time a batch stays open.
 pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
+/// Default `extractor.max_batches_in_flight`.
+pub const DEFAULT_MAX_BATCHES_IN_FLIGHT: usize = 4;
 /// Default `extractor.retention_warn_fraction`.
 pub const DEFAULT_RETENTION_WARN_FRACTION: f64 = 0.8;
 /// Default number of outbox rows the relay sends per transaction.
@@ -412,6 +414,11 @@ pub struct ExtractorConfig {
     /// Longest time a batch stays open.
     #[serde(default = "default_max_wait")]
     pub max_batch_wait_ms: u64,
+    /// How many batches may be handed over and not yet acknowledged: the
+    /// extractor reads the next while the appliers work on these. A crash
+    /// re-sends at most these.
+    #[serde(default = "default_in_flight")]
+    pub max_batches_in_flight: usize,
     /// The share of what the source keeps for skein (PostgreSQL: the
     /// slot's WAL up to `max_slot_wal_keep_size`; SQL Server: the CDC
     /// cleanup job's retention, against the age of the oldest unread
@@ -453,6 +460,9 @@ fn default_linger() -> u64 {
 fn default_max_wait() -> u64 {
     DEFAULT_MAX_BATCH_WAIT_MS
 }
+fn default_in_flight() -> usize {
+    DEFAULT_MAX_BATCHES_IN_FLIGHT
+}
 fn default_retention_warn() -> f64 {
     DEFAULT_RETENTION_WARN_FRACTION
 }
@@ -464,6 +474,7 @@ impl Default for ExtractorConfig {
             continue_with_data_loss: false,
             batch_linger_ms: DEFAULT_BATCH_LINGER_MS,
             max_batch_wait_ms: DEFAULT_MAX_BATCH_WAIT_MS,
+            max_batches_in_flight: DEFAULT_MAX_BATCHES_IN_FLIGHT,
             retention_warn_fraction: DEFAULT_RETENTION_WARN_FRACTION,
             on_truncate: OnTruncate::default(),
             initial_load: false,

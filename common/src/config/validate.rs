@@ -166,6 +166,12 @@ impl RawConfig {
                 "must be at least 1".into(),
             ));
         }
+        if self.extractor.max_batches_in_flight == 0 {
+            return Err(err(
+                &[Key("extractor"), Key("max_batches_in_flight")],
+                "must be at least 1 (1: each batch waits for the one before)".into(),
+            ));
+        }
         let f = self.extractor.retention_warn_fraction;
         if !(f > 0.0 && f <= 1.0) {
             return Err(err(

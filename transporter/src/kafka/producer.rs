@@ -70,8 +70,8 @@ impl KafkaTransport {
 
 impl Transport for KafkaTransport {
     /// Produces every record (and, after a loss, a notice to every
-    /// partition), then waits until the broker acknowledged all of them.
-    async fn send(&self, batch: Batch) -> Result<()> {
+    /// partition); the ack waits until the broker acknowledged all of them.
+    async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
         let mut pending = Vec::with_capacity(batch.records.len());
         if batch.has_data_loss {
             let notice = encode(&Envelope {
@@ -95,22 +95,25 @@ impl Transport for KafkaTransport {
             });
             pending.push(self.produce(partition, &key, &payload).await?);
         }
-        for f in pending {
-            match f.await {
-                Ok(Ok(_)) => {}
-                Ok(Err((e, _))) => {
-                    return Err(Error::Broker {
-                        message: format!("delivery to `{}` failed: {e}", self.topic),
-                    })
-                }
-                Err(_) => {
-                    return Err(Error::Broker {
-                        message: "the producer was dropped before delivery".into(),
-                    })
+        let topic = self.topic.clone();
+        Ok(Box::pin(async move {
+            for f in pending {
+                match f.await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err((e, _))) => {
+                        return Err(Error::Broker {
+                            message: format!("delivery to `{topic}` failed: {e}"),
+                        })
+                    }
+                    Err(_) => {
+                        return Err(Error::Broker {
+                            message: "the producer was dropped before delivery".into(),
+                        })
+                    }
                 }
             }
-        }
-        Ok(())
+            Ok(())
+        }))
     }
 }
 
