@@ -601,12 +601,17 @@ impl PgSource {
             } else {
                 linger.min(max_wait.saturating_sub(waited))
             };
-            if budget.is_zero() && current.is_none() {
+            if budget.is_zero() && current.is_none() && (txs.is_empty() || waited >= max_wait) {
                 break;
             }
-            let ev = match tokio::time::timeout(budget.max(Duration::from_millis(1)), stream.recv())
-                .await
-            {
+            // A zero budget after a transaction (no linger) still takes
+            // what is ready now: a batch closes when nothing more is.
+            let budget = if txs.is_empty() || current.is_some() {
+                budget.max(Duration::from_millis(1))
+            } else {
+                budget
+            };
+            let ev = match tokio::time::timeout(budget, stream.recv()).await {
                 Err(_) if current.is_some() && txs.is_empty() => continue,
                 Err(_) => break,
                 Ok(r) => r.map_err(|source| Error::Replication { source })?,

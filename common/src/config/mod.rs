@@ -29,8 +29,9 @@ pub const DEFAULT_POLL_INTERVAL_MS: u64 = 500;
 pub const DEFAULT_CHANNEL_CAPACITY: usize = 2;
 /// Default cap of changes per extractor batch.
 pub const DEFAULT_MAX_BATCH_CHANGES: usize = 10_000;
-/// Default time the extractor waits for more changes once the stream is quiet.
-pub const DEFAULT_BATCH_LINGER_MS: u64 = 50;
+/// Default time the extractor waits for more changes once the stream is
+/// quiet (0: a batch closes when nothing more is ready).
+pub const DEFAULT_BATCH_LINGER_MS: u64 = 0;
 /// Default longest time a batch stays open.
 pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
 /// Default `extractor.max_batches_in_flight`.
