@@ -291,13 +291,18 @@ fn contact_events<'a>(events: &'a [Value], id: &str) -> Vec<&'a Value> {
 /// UUID for it, which then wins over the row's own pre-assigned value.
 #[tokio::test(flavor = "multi_thread")]
 async fn review_a_global_id_column_wins_over_a_reference_assigned_first() {
-    let env = Env::with_files("rv_ids_ref_first", &CONTACT, TransportChoice::FromEnv, |y| {
-        y.replacen(
-            "    identifier_mapping: true\n    mappings:",
-            "    identifier_mapping: true\n    global_id_column: legacy_ref\n    mappings:",
-            1,
-        )
-    })
+    let env = Env::with_files(
+        "rv_ids_ref_first",
+        &CONTACT,
+        TransportChoice::FromEnv,
+        |y| {
+            y.replacen(
+                "    identifier_mapping: true\n    mappings:",
+                "    identifier_mapping: true\n    global_id_column: legacy_ref\n    mappings:",
+                1,
+            )
+        },
+    )
     .await;
     env.exec("ALTER TABLE contact ADD COLUMN legacy_ref text")
         .await;
@@ -375,7 +380,13 @@ async fn review_an_explicit_char_key_is_the_streamed_aggregate() {
         schema: "tests/fixtures/identifiers_char_schema.sql",
         yaml: "tests/fixtures/identifiers.yaml",
     };
-    let env = Env::with_files("rv_ids_char_explicit", &CHAR, TransportChoice::FromEnv, |y| y).await;
+    let env = Env::with_files(
+        "rv_ids_char_explicit",
+        &CHAR,
+        TransportChoice::FromEnv,
+        |y| y,
+    )
+    .await;
     let mut run = env.start().await;
     env.step(
         &mut run,
@@ -406,7 +417,10 @@ async fn review_an_explicit_char_key_is_the_streamed_aggregate() {
         "one aggregate; versions: {versions:?}"
     );
     assert_eq!(gid(two[0]), gid(two[1]), "one identifier");
-    assert_eq!(two[1]["action"], "updated", "a republish of a published one");
+    assert_eq!(
+        two[1]["action"], "updated",
+        "a republish of a published one"
+    );
 }
 
 /// Review: a mapping's namespace depends on the rest of the config
@@ -416,16 +430,21 @@ async fn review_an_explicit_char_key_is_the_streamed_aggregate() {
 /// though "it never changes".
 #[tokio::test(flavor = "multi_thread")]
 async fn review_adding_an_entity_keeps_the_identifiers_already_published() {
-    let env = Env::with_files("rv_ids_namespace", &CONTACT, TransportChoice::FromEnv, |y| y).await;
+    let env = Env::with_files(
+        "rv_ids_namespace",
+        &CONTACT,
+        TransportChoice::FromEnv,
+        |y| y,
+    )
+    .await;
     let mut run = env.start().await;
     env.step(&mut run, CONTACT_DATA).await;
     let events = env.events();
     let first = contact_ids(contact(&events, 1));
     run.stop(&env);
     let yaml = std::fs::read_to_string(&env.config).unwrap();
-    let yaml = format!(
-        "{yaml}  - name: address\n    table: address\n    identifier_mapping: true\n"
-    );
+    let yaml =
+        format!("{yaml}  - name: address\n    table: address\n    identifier_mapping: true\n");
     std::fs::write(&env.config, yaml).unwrap();
     let mut run = env.start().await;
     env.step(
