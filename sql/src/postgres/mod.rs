@@ -610,7 +610,16 @@ pub fn normalize_keys_sql(root: &TableNode, catalog: &Catalog) -> String {
     let cols: Vec<String> = key
         .iter()
         .enumerate()
-        .map(|(i, c)| format!("k.v{i}::{}::text", cast_type(catalog, root, c)))
+        .map(|(i, c)| {
+            // `::text` trims a character(n) value; `concat` prints it as
+            // the stream does, padded.
+            let ty = cast_type(catalog, root, c);
+            if ty.starts_with("character(") {
+                format!("concat(k.v{i}::{ty})")
+            } else {
+                format!("k.v{i}::{ty}::text")
+            }
+        })
         .collect();
     format!(
         "SELECT {} FROM {} ORDER BY k.ord",
