@@ -149,8 +149,37 @@ impl Plan {
                 ),
                 fix: "change the entity's columns in the config".into(),
             };
+            let refused = |field: String, message: String, fix: &str| Error::Schema {
+                message: format!(
+                    "entity `{}`, table `{}`, {field}: {message}",
+                    entity.name,
+                    n.qualified()
+                ),
+                fix: fix.into(),
+            };
+            let maps_own = n.identifier_mapping || (n.index == 0 && entity.identifier_mapping);
+            if maps_own && shown.iter().any(|c| c == "global_id") {
+                return Err(refused(
+                    "identifier_mapping".into(),
+                    "the table has a column `global_id`, which the mapped identifier would \
+                     overwrite in the event"
+                        .into(),
+                    "exclude the column (exclude_columns) or rename it",
+                ));
+            }
             if n.index > 0 && n.identifier_mapping {
                 let key = catalog.key_columns(n);
+                let rooted = rooted_key(cfg, catalog, &n.schema, &n.table);
+                if let Some(referenced) = rooted.filter(|r| *r != key) {
+                    return Err(refused(
+                        "identifier_mapping".into(),
+                        format!(
+                            "the join's key {key:?} is not the key {referenced:?} its table's \
+                             rows are mapped by (the key of the entity rooted on it)"
+                        ),
+                        "give the join the same `key:` as the entity of its table, or none",
+                    ));
+                }
                 if let Some(c) = key.iter().find(|c| !shown.contains(c)) {
                     return Err(missing(c, "the key column of identifier_mapping"));
                 }
@@ -167,14 +196,44 @@ impl Plan {
                 if !shown.contains(&m.name) {
                     return Err(missing(&m.name, "the mapped column"));
                 }
+                let field = format!("mappings `{}`", m.name);
+                let global = format!("global_{}", m.name);
+                if shown.contains(&global) {
+                    return Err(refused(
+                        field,
+                        format!(
+                            "the table has a column `{global}`, which the mapped identifier \
+                             would overwrite in the event"
+                        ),
+                        "exclude the column (exclude_columns) or rename it",
+                    ));
+                }
                 let schema = m.schema.as_deref().unwrap_or(&n.schema);
                 let what = "the mapped column";
                 pad_of(catalog, &entity.name, what, &n.schema, &n.table, &m.name)?;
                 let referenced = referenced_key(cfg, catalog, schema, &m.table);
-                let pad = match referenced.as_slice() {
-                    [k] => pad_of(catalog, &entity.name, "the key", schema, &m.table, k)?,
-                    _ => None,
+                // A table outside the catalog read is checked by [`check`].
+                let known = catalog.table(schema, &m.table).is_some();
+                let [k] = referenced.as_slice() else {
+                    if !known {
+                        plans[n.index].refs.push((
+                            m.name.clone(),
+                            namespace(cfg, schema, &m.table),
+                            None,
+                        ));
+                        continue;
+                    }
+                    return Err(refused(
+                        field,
+                        format!(
+                            "the referenced table `{schema}.{}` has the key {referenced:?}; a \
+                             mapped column can only name a row of a table with a one-column key",
+                            m.table
+                        ),
+                        "take the mapping off, or map a column referencing a one-column key",
+                    ));
                 };
+                let pad = pad_of(catalog, &entity.name, "the key", schema, &m.table, k)?;
                 plans[n.index]
                     .refs
                     .push((m.name.clone(), namespace(cfg, schema, &m.table), pad));
@@ -184,6 +243,26 @@ impl Plan {
         Ok(Plan {
             nodes: if any { plans } else { vec![] },
         })
+    }
+
+    /// The tables mappings reference (to be read into the catalog
+    /// [`check`] is given).
+    pub fn referenced_tables(cfg: &Config) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = cfg
+            .entities
+            .iter()
+            .flat_map(|e| e.nodes())
+            .flat_map(|n| {
+                let schema = n.schema.clone();
+                n.mappings
+                    .iter()
+                    .map(move |m| (m.schema.clone().unwrap_or(schema.clone()), m.table.clone()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Whether the entity maps anything below its root key.
@@ -285,6 +364,40 @@ impl Plan {
     }
 }
 
+/// Start-up check of every entity's identifier mapping over `catalog`,
+/// which holds the tables mappings reference besides the config's: a
+/// mapping to a table that does not exist, or to one whose key is not one
+/// column, a mapped join keyed otherwise than its table's entity, a key
+/// type that cannot be matched, a `global_*` column of the source the
+/// identifier would overwrite: each an error naming the field to fix.
+pub fn check(cfg: &Config, catalog: &Catalog) -> Result<()> {
+    for e in &cfg.entities {
+        for n in e.nodes() {
+            for m in &n.mappings {
+                let schema = m.schema.as_deref().unwrap_or(&n.schema);
+                if catalog.table(schema, &m.table).is_none() {
+                    return Err(Error::Schema {
+                        message: format!(
+                            "entity `{}`, table `{}`, mappings `{}`: `table: {}` names no table \
+                             `{schema}.{}`",
+                            e.name,
+                            n.qualified(),
+                            m.name,
+                            m.table,
+                            m.table
+                        ),
+                        fix: "name an existing table in `table:` (and `schema:` when it is not \
+                              the entity's)"
+                            .into(),
+                    });
+                }
+            }
+        }
+        Plan::new(cfg, e, catalog)?;
+    }
+    Ok(())
+}
+
 /// The rows under a child property: an object (one-to-one), an array's
 /// objects (one-to-many), or none.
 fn rows(v: Option<&Value>) -> Vec<&Map<String, Value>> {
@@ -298,13 +411,17 @@ fn rows(v: Option<&Value>) -> Vec<&Map<String, Value>> {
 /// The key columns of `schema.table`'s rows as a reference names them:
 /// the key of an entity whose root the table is, else its primary key.
 fn referenced_key(cfg: &Config, catalog: &Catalog, schema: &str, table: &str) -> Vec<String> {
-    cfg.entities
-        .iter()
-        .filter(|e| e.schema == schema && e.table == table)
-        .map(|e| catalog.key_columns(&e.nodes()[0]))
-        .next()
+    rooted_key(cfg, catalog, schema, table)
         .or_else(|| catalog.table(schema, table).map(|t| t.primary_key.clone()))
         .unwrap_or_default()
+}
+
+/// The key of the (first) entity whose root is `schema.table`, if any.
+fn rooted_key(cfg: &Config, catalog: &Catalog, schema: &str, table: &str) -> Option<Vec<String>> {
+    cfg.entities
+        .iter()
+        .find(|e| e.schema == schema && e.table == table)
+        .map(|e| catalog.key_columns(&e.nodes()[0]))
 }
 
 /// The canonical key of a row's `cols` (the text the change stream sends
@@ -475,6 +592,64 @@ mod tests {
                 r#"["2   "]"#.to_string()
             )]
         );
+    }
+
+    fn refused(cfg: &Config, cat: &Catalog) -> String {
+        plan(cfg, cat).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_mapping_to_a_missing_or_composite_key_table_is_refused() {
+        let cat = catalog(("integer", "int4"), &[], &[]);
+        let cfg = config(&REF.replace("table: contact", "table: contacts"));
+        let e = check(&cfg, &cat).unwrap_err().to_string();
+        assert!(
+            e.contains("mappings `alternate_contact_id`") && e.contains("contacts"),
+            "{e}"
+        );
+        let pair = TableInfo {
+            schema: "public".into(),
+            table: "pair".into(),
+            columns: vec![],
+            primary_key: vec!["a".into(), "b".into()],
+            replica_identity: 'd',
+        };
+        let cat = catalog(("integer", "int4"), &[], &[pair]);
+        let e = refused(&config(&REF.replace("table: contact", "table: pair")), &cat);
+        assert!(
+            e.contains("one-column key") && e.contains("public.pair"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_mapped_join_keyed_otherwise_than_its_tables_entity_is_refused() {
+        let cfg = Config::from_yaml(
+            "source: { kind: postgres, url: x }\nevents: { source_root: /s, type_root: t }\n\
+             entities:\n  - name: address\n    table: address\n    identifier_mapping: true\n\
+             \x20 - name: contact\n    table: contact\n    joins:\n      - name: address\n\
+             \x20       table: address\n        key: [street]\n        identifier_mapping: true\n\
+             \x20       on: [{ name: address_id, to_column: address_id }]\n",
+            "t",
+        )
+        .unwrap();
+        let cat = catalog(("integer", "int4"), &[], &[]);
+        let e = Plan::new(&cfg, &cfg.entities[1], &cat)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[\"street\"]") && e.contains("`key:`"), "{e}");
+    }
+
+    #[test]
+    fn a_global_column_of_the_source_is_not_overwritten() {
+        let e = refused(
+            &config(""),
+            &catalog(("integer", "int4"), &["global_id"], &[]),
+        );
+        assert!(e.contains("`global_id`"), "{e}");
+        let cat = catalog(("integer", "int4"), &["global_alternate_contact_id"], &[]);
+        let e = refused(&config(REF), &cat);
+        assert!(e.contains("`global_alternate_contact_id`"), "{e}");
     }
 
     #[test]
