@@ -331,6 +331,19 @@ impl Source {
         }
     }
 
+    /// The catalog of the given `tables`, outside any snapshot (for
+    /// start-up checks of tables the config names but does not read).
+    pub async fn catalog_of(&mut self, tables: &[(String, String)]) -> Result<Catalog> {
+        match self {
+            Source::Postgres { client, .. } => read_catalog(client, tables)
+                .await
+                .map_err(db("reading the catalog of the mapped tables")),
+            Source::SqlServer(client) => {
+                Ok(skein_sql::sqlserver::read_catalog(client, tables).await?)
+            }
+        }
+    }
+
     /// Ends the batch's snapshot (it only read: committing releases it).
     pub async fn end_snapshot(&mut self) -> Result<()> {
         match self {

@@ -40,9 +40,10 @@ struct NodePlan {
     children: Vec<usize>,
     /// The row's own key: its namespace and key columns (joins only; the
     /// root's is the entity's `identifier_mapping`, handled with the event).
-    own: Option<(String, Vec<String>)>,
-    /// Referencing columns and the namespace of the rows they reference.
-    refs: Vec<(String, String)>,
+    own: Option<(String, Vec<String>, Vec<Pad>)>,
+    /// Referencing columns, the namespace of the rows they reference and
+    /// the referenced key's text form.
+    refs: Vec<(String, String, Pad)>,
 }
 
 /// An entity's mapping plan; empty when it maps nothing below the root.
@@ -53,6 +54,68 @@ pub struct Plan {
 
 /// One identifier an event needs: a namespace and a canonical key.
 pub type Wanted = (String, String);
+
+/// How a key column's JSON value becomes the text the change stream
+/// sends for it: as it is, or (a `character(n)`) padded to `n` characters.
+type Pad = Option<usize>;
+
+/// Key column types whose JSON value prints as the stream's text of the
+/// key (PostgreSQL, then SQL Server type names); `bpchar` once padded.
+const MATCHABLE_KEY_TYPES: &[&str] = &[
+    "int2",
+    "int4",
+    "int8",
+    "text",
+    "varchar",
+    "uuid",
+    "numeric",
+    "bool",
+    "bpchar",
+    "tinyint",
+    "smallint",
+    "int",
+    "bigint",
+    "nvarchar",
+    "uniqueidentifier",
+    "decimal",
+];
+
+/// The text form of key column `col` of `schema.table` (`what` names it
+/// in the error): an error when its type's JSON value cannot be matched to
+/// the stream's key text.
+fn pad_of(
+    catalog: &Catalog,
+    entity: &str,
+    what: &str,
+    schema: &str,
+    table: &str,
+    col: &str,
+) -> Result<Pad> {
+    let Some(c) = catalog.table(schema, table).and_then(|t| t.column(col)) else {
+        return Ok(None);
+    };
+    let width = c
+        .data_type
+        .strip_prefix("character(")
+        .and_then(|r| r.strip_suffix(')'))
+        .and_then(|n| n.parse().ok());
+    if !MATCHABLE_KEY_TYPES.contains(&c.type_name.as_str())
+        || (c.type_name == "bpchar" && width.is_none())
+    {
+        return Err(Error::Schema {
+            message: format!(
+                "entity `{entity}`: {what} `{col}` of `{schema}.{table}` is of type `{}`, whose \
+                 value cannot be matched to a key reliably (identifier mapping supports integer, \
+                 text, varchar, character(n), uuid, numeric and boolean keys)",
+                c.data_type
+            ),
+            fix: "map a column of a supported type, or take identifier_mapping / the mapping \
+                  off"
+            .into(),
+        });
+    }
+    Ok(width)
+}
 
 impl Plan {
     /// The plan of `entity` over `catalog`. A mapped join whose key
@@ -86,27 +149,120 @@ impl Plan {
                 ),
                 fix: "change the entity's columns in the config".into(),
             };
+            let refused = |field: String, message: String, fix: &str| Error::Schema {
+                message: format!(
+                    "entity `{}`, table `{}`, {field}: {message}",
+                    entity.name,
+                    n.qualified()
+                ),
+                fix: fix.into(),
+            };
+            let maps_own = n.identifier_mapping || (n.index == 0 && entity.identifier_mapping);
+            if maps_own && shown.iter().any(|c| c == "global_id") {
+                return Err(refused(
+                    "identifier_mapping".into(),
+                    "the table has a column `global_id`, which the mapped identifier would \
+                     overwrite in the event"
+                        .into(),
+                    "exclude the column (exclude_columns) or rename it",
+                ));
+            }
             if n.index > 0 && n.identifier_mapping {
                 let key = catalog.key_columns(n);
+                let rooted = rooted_key(cfg, catalog, &n.schema, &n.table);
+                if let Some(referenced) = rooted.filter(|r| *r != key) {
+                    return Err(refused(
+                        "identifier_mapping".into(),
+                        format!(
+                            "the join's key {key:?} is not the key {referenced:?} its table's \
+                             rows are mapped by (the key of the entity rooted on it)"
+                        ),
+                        "give the join the same `key:` as the entity of its table, or none",
+                    ));
+                }
                 if let Some(c) = key.iter().find(|c| !shown.contains(c)) {
                     return Err(missing(c, "the key column of identifier_mapping"));
                 }
-                plans[n.index].own = Some((namespace(cfg, &n.schema, &n.table), key));
+                let pads = key
+                    .iter()
+                    .map(|c| {
+                        let what = "the key column of a mapped join";
+                        pad_of(catalog, &entity.name, what, &n.schema, &n.table, c)
+                    })
+                    .collect::<Result<_>>()?;
+                plans[n.index].own = Some((namespace(cfg, &n.schema, &n.table), key, pads));
             }
             for m in &n.mappings {
                 if !shown.contains(&m.name) {
                     return Err(missing(&m.name, "the mapped column"));
                 }
+                let field = format!("mappings `{}`", m.name);
+                let global = format!("global_{}", m.name);
+                if shown.contains(&global) {
+                    return Err(refused(
+                        field,
+                        format!(
+                            "the table has a column `{global}`, which the mapped identifier \
+                             would overwrite in the event"
+                        ),
+                        "exclude the column (exclude_columns) or rename it",
+                    ));
+                }
                 let schema = m.schema.as_deref().unwrap_or(&n.schema);
+                let what = "the mapped column";
+                pad_of(catalog, &entity.name, what, &n.schema, &n.table, &m.name)?;
+                let referenced = referenced_key(cfg, catalog, schema, &m.table);
+                // A table outside the catalog read is checked by [`check`].
+                let known = catalog.table(schema, &m.table).is_some();
+                let [k] = referenced.as_slice() else {
+                    if !known {
+                        plans[n.index].refs.push((
+                            m.name.clone(),
+                            namespace(cfg, schema, &m.table),
+                            None,
+                        ));
+                        continue;
+                    }
+                    return Err(refused(
+                        field,
+                        format!(
+                            "the referenced table `{schema}.{}` has the key {referenced:?}; a \
+                             mapped column can only name a row of a table with a one-column key",
+                            m.table
+                        ),
+                        "take the mapping off, or map a column referencing a one-column key",
+                    ));
+                };
+                let pad = pad_of(catalog, &entity.name, "the key", schema, &m.table, k)?;
                 plans[n.index]
                     .refs
-                    .push((m.name.clone(), namespace(cfg, schema, &m.table)));
+                    .push((m.name.clone(), namespace(cfg, schema, &m.table), pad));
             }
         }
         let any = plans.iter().any(|p| p.own.is_some() || !p.refs.is_empty());
         Ok(Plan {
             nodes: if any { plans } else { vec![] },
         })
+    }
+
+    /// The tables mappings reference (to be read into the catalog
+    /// [`check`] is given).
+    pub fn referenced_tables(cfg: &Config) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = cfg
+            .entities
+            .iter()
+            .flat_map(|e| e.nodes())
+            .flat_map(|n| {
+                let schema = n.schema.clone();
+                n.mappings
+                    .iter()
+                    .map(move |m| (m.schema.clone().unwrap_or(schema.clone()), m.table.clone()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Whether the entity maps anything below its root key.
@@ -119,13 +275,13 @@ impl Plan {
         let mut out = vec![];
         if let (false, Value::Object(root)) = (self.is_empty(), data) {
             self.visit(0, root, &mut |plan, row| {
-                if let Some((ns, cols)) = &plan.own {
-                    if let Some(k) = key_of(row, cols) {
+                if let Some((ns, cols, pads)) = &plan.own {
+                    if let Some(k) = key_of(row, cols, pads) {
                         out.push((ns.clone(), k));
                     }
                 }
-                for (col, ns) in &plan.refs {
-                    if let Some(k) = key_of(row, std::slice::from_ref(col)) {
+                for (col, ns, pad) in &plan.refs {
+                    if let Some(k) = key_of(row, std::slice::from_ref(col), &[*pad]) {
                         out.push((ns.clone(), k));
                     }
                 }
@@ -151,12 +307,12 @@ impl Plan {
                         }
                     },
                 };
-                if let Some((ns, cols)) = &plan.own {
-                    let v = get(ns, key_of(row, cols));
+                if let Some((ns, cols, pads)) = &plan.own {
+                    let v = get(ns, key_of(row, cols, pads));
                     row.insert("global_id".into(), v);
                 }
-                for (col, ns) in &plan.refs {
-                    let v = get(ns, key_of(row, std::slice::from_ref(col)));
+                for (col, ns, pad) in &plan.refs {
+                    let v = get(ns, key_of(row, std::slice::from_ref(col), &[*pad]));
                     row.insert(format!("global_{col}"), v);
                 }
             });
@@ -208,6 +364,40 @@ impl Plan {
     }
 }
 
+/// Start-up check of every entity's identifier mapping over `catalog`,
+/// which holds the tables mappings reference besides the config's: a
+/// mapping to a table that does not exist, or to one whose key is not one
+/// column, a mapped join keyed otherwise than its table's entity, a key
+/// type that cannot be matched, a `global_*` column of the source the
+/// identifier would overwrite: each an error naming the field to fix.
+pub fn check(cfg: &Config, catalog: &Catalog) -> Result<()> {
+    for e in &cfg.entities {
+        for n in e.nodes() {
+            for m in &n.mappings {
+                let schema = m.schema.as_deref().unwrap_or(&n.schema);
+                if catalog.table(schema, &m.table).is_none() {
+                    return Err(Error::Schema {
+                        message: format!(
+                            "entity `{}`, table `{}`, mappings `{}`: `table: {}` names no table \
+                             `{schema}.{}`",
+                            e.name,
+                            n.qualified(),
+                            m.name,
+                            m.table,
+                            m.table
+                        ),
+                        fix: "name an existing table in `table:` (and `schema:` when it is not \
+                              the entity's)"
+                            .into(),
+                    });
+                }
+            }
+        }
+        Plan::new(cfg, e, catalog)?;
+    }
+    Ok(())
+}
+
 /// The rows under a child property: an object (one-to-one), an array's
 /// objects (one-to-many), or none.
 fn rows(v: Option<&Value>) -> Vec<&Map<String, Value>> {
@@ -218,17 +408,40 @@ fn rows(v: Option<&Value>) -> Vec<&Map<String, Value>> {
     }
 }
 
-/// The canonical key of a row's `cols` (the text a root key of that table
-/// would have); `None` when one is null or absent.
-fn key_of(row: &Map<String, Value>, cols: &[String]) -> Option<String> {
+/// The key columns of `schema.table`'s rows as a reference names them:
+/// the key of an entity whose root the table is, else its primary key.
+fn referenced_key(cfg: &Config, catalog: &Catalog, schema: &str, table: &str) -> Vec<String> {
+    rooted_key(cfg, catalog, schema, table)
+        .or_else(|| catalog.table(schema, table).map(|t| t.primary_key.clone()))
+        .unwrap_or_default()
+}
+
+/// The key of the (first) entity whose root is `schema.table`, if any.
+fn rooted_key(cfg: &Config, catalog: &Catalog, schema: &str, table: &str) -> Option<Vec<String>> {
+    cfg.entities
+        .iter()
+        .find(|e| e.schema == schema && e.table == table)
+        .map(|e| catalog.key_columns(&e.nodes()[0]))
+}
+
+/// The canonical key of a row's `cols` (the text the change stream sends
+/// for a root key of that table: a `character(n)` value, which the event
+/// JSON prints trimmed, padded to its `pads` width); `None` when one is
+/// null or absent.
+fn key_of(row: &Map<String, Value>, cols: &[String], pads: &[Pad]) -> Option<String> {
     let mut parts = vec![];
-    for c in cols {
-        parts.push(Some(match row.get(c)? {
+    for (i, c) in cols.iter().enumerate() {
+        let mut text = match row.get(c)? {
             Value::Null => return None,
             Value::String(s) => s.clone(),
             Value::Bool(b) => if *b { "t" } else { "f" }.to_string(),
             other => other.to_string(),
-        }));
+        };
+        if let Some(Some(n)) = pads.get(i) {
+            let len = text.chars().count();
+            text.extend(std::iter::repeat_n(' ', n.saturating_sub(len)));
+        }
+        parts.push(Some(text));
     }
     Some(RootKey(parts).canonical())
 }
@@ -299,4 +512,159 @@ fn taken(ns: &str, global_id: &str, key: &str, holder: &str) -> Error {
          is already the identifier of key {holder}; each identifier names one row. Correct the \
          pre-assigned value (global_id_column or the identifier_mapping row), then restart"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use skein_sql::{ColumnInfo, TableInfo};
+
+    use super::*;
+
+    /// `contact (contact_id <key_type>, alternate_contact_id <key_type>,
+    /// address_id int4)` and `address (address_id int4)`, with `extra`
+    /// columns on contact and `extra_tables`.
+    pub(super) fn catalog(
+        key: (&str, &str),
+        extra: &[&str],
+        extra_tables: &[TableInfo],
+    ) -> Catalog {
+        let col = |name: &str, (data_type, type_name): (&str, &str)| ColumnInfo {
+            name: name.into(),
+            data_type: data_type.into(),
+            type_name: type_name.into(),
+            nullable: true,
+        };
+        let mut columns = vec![
+            col("contact_id", key),
+            col("alternate_contact_id", key),
+            col("address_id", ("integer", "int4")),
+        ];
+        columns.extend(extra.iter().map(|c| col(c, ("text", "text"))));
+        let mut cat = Catalog::default();
+        cat.insert(TableInfo {
+            schema: "public".into(),
+            table: "contact".into(),
+            columns,
+            primary_key: vec!["contact_id".into()],
+            replica_identity: 'd',
+        });
+        cat.insert(TableInfo {
+            schema: "public".into(),
+            table: "address".into(),
+            columns: vec![col("address_id", ("integer", "int4"))],
+            primary_key: vec!["address_id".into()],
+            replica_identity: 'd',
+        });
+        for t in extra_tables {
+            cat.insert(t.clone());
+        }
+        cat
+    }
+
+    /// A config of one `contact` entity: `entity` is its YAML tail.
+    pub(super) fn config(entity: &str) -> Config {
+        Config::from_yaml(
+            &format!(
+                "source: {{ kind: postgres, url: x }}\nevents: {{ source_root: /s, type_root: t }}\n\
+                 entities:\n  - name: contact\n    table: contact\n    identifier_mapping: true\n{entity}"
+            ),
+            "t",
+        )
+        .unwrap()
+    }
+
+    const REF: &str = "    mappings: [{ name: alternate_contact_id, table: contact }]\n";
+
+    fn plan(cfg: &Config, cat: &Catalog) -> Result<Plan> {
+        Plan::new(cfg, &cfg.entities[0], cat)
+    }
+
+    #[test]
+    fn a_char_key_reference_is_padded_as_the_stream_sends_it() {
+        let cfg = config(REF);
+        let p = plan(&cfg, &catalog(("character(4)", "bpchar"), &[], &[])).unwrap();
+        let data = json!({"contact_id": "1", "alternate_contact_id": "2"});
+        assert_eq!(
+            p.wanted(&data),
+            vec![(
+                namespace(&cfg, "public", "contact"),
+                r#"["2   "]"#.to_string()
+            )]
+        );
+    }
+
+    fn refused(cfg: &Config, cat: &Catalog) -> String {
+        plan(cfg, cat).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_mapping_to_a_missing_or_composite_key_table_is_refused() {
+        let cat = catalog(("integer", "int4"), &[], &[]);
+        let cfg = config(&REF.replace("table: contact", "table: contacts"));
+        let e = check(&cfg, &cat).unwrap_err().to_string();
+        assert!(
+            e.contains("mappings `alternate_contact_id`") && e.contains("contacts"),
+            "{e}"
+        );
+        let pair = TableInfo {
+            schema: "public".into(),
+            table: "pair".into(),
+            columns: vec![],
+            primary_key: vec!["a".into(), "b".into()],
+            replica_identity: 'd',
+        };
+        let cat = catalog(("integer", "int4"), &[], &[pair]);
+        let e = refused(&config(&REF.replace("table: contact", "table: pair")), &cat);
+        assert!(
+            e.contains("one-column key") && e.contains("public.pair"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_mapped_join_keyed_otherwise_than_its_tables_entity_is_refused() {
+        let cfg = Config::from_yaml(
+            "source: { kind: postgres, url: x }\nevents: { source_root: /s, type_root: t }\n\
+             entities:\n  - name: address\n    table: address\n    identifier_mapping: true\n\
+             \x20 - name: contact\n    table: contact\n    joins:\n      - name: address\n\
+             \x20       table: address\n        key: [street]\n        identifier_mapping: true\n\
+             \x20       on: [{ name: address_id, to_column: address_id }]\n",
+            "t",
+        )
+        .unwrap();
+        let cat = catalog(("integer", "int4"), &[], &[]);
+        let e = Plan::new(&cfg, &cfg.entities[1], &cat)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[\"street\"]") && e.contains("`key:`"), "{e}");
+    }
+
+    #[test]
+    fn a_global_column_of_the_source_is_not_overwritten() {
+        let e = refused(
+            &config(""),
+            &catalog(("integer", "int4"), &["global_id"], &[]),
+        );
+        assert!(e.contains("`global_id`"), "{e}");
+        let cat = catalog(("integer", "int4"), &["global_alternate_contact_id"], &[]);
+        let e = refused(&config(REF), &cat);
+        assert!(e.contains("`global_alternate_contact_id`"), "{e}");
+    }
+
+    #[test]
+    fn a_key_type_that_cannot_be_matched_is_refused() {
+        let cfg = config(REF);
+        for ty in [
+            ("double precision", "float8"),
+            ("timestamp with time zone", "timestamptz"),
+            ("bytea", "bytea"),
+        ] {
+            let e = plan(&cfg, &catalog(ty, &[], &[])).unwrap_err().to_string();
+            assert!(
+                e.contains("alternate_contact_id") && e.contains(ty.0),
+                "{e}"
+            );
+        }
+    }
 }

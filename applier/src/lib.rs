@@ -34,7 +34,7 @@ pub mod sink;
 pub use apply::{Applied, Applier};
 pub use error::{Error, Result};
 pub use hydrate::Source;
-pub use run::run;
+pub use run::{check_identifier_mapping, run};
 
 /// Opens a PostgreSQL connection (`what`: "source", "sidecar") with TLS as
 /// the URL's `sslmode` / `sslrootcert` say; its connection task is spawned

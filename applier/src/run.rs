@@ -60,6 +60,22 @@ pub fn moved_under_us(believed: &Option<Option<Progress>>, stored: &Option<Progr
 /// The partitions this process owns, shared with a partition-scoped relay.
 pub type Owned = Arc<Mutex<Vec<i32>>>;
 
+/// Start-up check of the identifier mappings ([`crate::identifiers::check`])
+/// over `catalog` and the catalog of the tables mappings reference, read
+/// from the source: refused before anything is applied, since a mapping
+/// the catalog shows to be wrong would mint identifiers no row ever has.
+pub async fn check_identifier_mapping(cfg: &Config, catalog: &Catalog) -> Result<()> {
+    let referenced = crate::identifiers::Plan::referenced_tables(cfg);
+    if referenced.is_empty() {
+        return Ok(());
+    }
+    let mut full = Source::connect(cfg).await?.catalog_of(&referenced).await?;
+    for t in catalog.tables.values() {
+        full.insert(t.clone());
+    }
+    crate::identifiers::check(cfg, &full)
+}
+
 /// Runs the appliers of every partition the inbox assigns until the inbox
 /// closes (in-process: the extractor is gone) or `cancel` fires (Kafka).
 ///

@@ -10,8 +10,10 @@ use skein_common::config::TableNode;
 pub struct ColumnInfo {
     /// Column name.
     pub name: String,
-    /// Type without modifiers as the server prints it (`integer`,
-    /// `character varying`, `timestamp with time zone`); used in casts.
+    /// Type as the server prints it, without modifiers (`integer`,
+    /// `character varying`, `timestamp with time zone`) except a
+    /// PostgreSQL `character(n)`'s length, which its key text is padded to;
+    /// used in casts.
     pub data_type: String,
     /// Short type name (`int4`, `varchar`, `timestamptz`); decides the JSON format.
     pub type_name: String,

@@ -21,6 +21,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     let (kc, topic) = (kafka_client(k), k.topic.clone());
     sidecar(&cfg).await?.migrate().await?;
     let catalog = skein_extractor::load_catalog(&cfg).await?;
+    skein_applier::check_identifier_mapping(&cfg, &catalog).await?;
     for t in [topic.clone(), dlq_topic(&topic)] {
         ensure_topic(&kc, &t, k.partitions, k.replication_factor).await?;
     }

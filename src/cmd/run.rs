@@ -33,6 +33,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     super::explicit::plan_initial_load(&cfg, marker.is_none() && floor.is_none()).await?;
     let mut source = AnySource::connect(&cfg).await?;
     let catalog = source.catalog().clone();
+    skein_applier::check_identifier_mapping(&cfg, &catalog).await?;
     let (transport, mut inbox) =
         InProcess::new(t.partitions, t.channel_capacity, cfg.source.dialect());
     let appliers = {

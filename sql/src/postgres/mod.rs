@@ -433,7 +433,8 @@ INSERT INTO {s}."schema_version" ("version") VALUES ({v}) ON CONFLICT DO NOTHING
 /// `schema, table, column, data_type, type_name, nullable, pk_position, replica_identity`.
 pub const CATALOG_QUERY: &str = r#"
 SELECT n.nspname::text, c.relname::text, a.attname::text,
-       pg_catalog.format_type(a.atttypid, NULL) AS data_type,
+       -- character(n) keeps its length: the stream's text of a key is padded to it.
+       pg_catalog.format_type(a.atttypid, CASE WHEN t.typname = 'bpchar' THEN a.atttypmod END) AS data_type,
        CASE WHEN t.typtype = 'd' THEN bt.typname ELSE t.typname END::text AS type_name,
        NOT a.attnotnull AS nullable,
        array_position(pk.conkey, a.attnum)::int4 AS pk_position,
@@ -609,7 +610,16 @@ pub fn normalize_keys_sql(root: &TableNode, catalog: &Catalog) -> String {
     let cols: Vec<String> = key
         .iter()
         .enumerate()
-        .map(|(i, c)| format!("k.v{i}::{}::text", cast_type(catalog, root, c)))
+        .map(|(i, c)| {
+            // `::text` trims a character(n) value; `concat` prints it as
+            // the stream does, padded.
+            let ty = cast_type(catalog, root, c);
+            if ty.starts_with("character(") {
+                format!("concat(k.v{i}::{ty})")
+            } else {
+                format!("k.v{i}::{ty}::text")
+            }
+        })
         .collect();
     format!(
         "SELECT {} FROM {} ORDER BY k.ord",

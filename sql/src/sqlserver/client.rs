@@ -18,14 +18,24 @@ pub struct MssqlError {
 }
 
 impl MssqlError {
-    /// Connection-level failures may go away on retry; a server error
-    /// (permission, syntax, missing object) does not.
+    /// Connection-level failures may go away on retry, and so may a
+    /// server error that says so ([`retryable_server_error`]); any other
+    /// server error (permission, syntax, missing object) does not.
     pub fn is_retryable(&self) -> bool {
-        matches!(
-            self.source,
-            tiberius::error::Error::Io { .. } | tiberius::error::Error::Routing { .. }
-        )
+        match &self.source {
+            tiberius::error::Error::Io { .. } | tiberius::error::Error::Routing { .. } => true,
+            tiberius::error::Error::Server(e) => retryable_server_error(e.code()),
+            _ => false,
+        }
     }
+}
+
+/// Server error numbers a retry of the whole transaction can get past:
+/// 1205, chosen as a deadlock victim (two appliers taking the range locks
+/// of the identifier insert, say), whose transaction the server has rolled
+/// back already.
+pub fn retryable_server_error(code: u32) -> bool {
+    code == 1205
 }
 
 fn ctx(context: impl Into<String>) -> impl FnOnce(tiberius::error::Error) -> MssqlError {
@@ -284,6 +294,20 @@ mod tests {
         ] {
             let c = parse_url(url).unwrap_or_else(|e| panic!("{url}: {e}"));
             assert_eq!(c.get_addr(), "db.example:1433", "{url}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::retryable_server_error;
+
+    #[test]
+    fn a_deadlock_victim_is_retried_other_server_errors_are_not() {
+        assert!(retryable_server_error(1205));
+        // Permission denied, invalid object name, unique key violation.
+        for code in [229, 208, 2627] {
+            assert!(!retryable_server_error(code), "{code}");
         }
     }
 }

@@ -110,7 +110,7 @@ SELECT [key], [global_id] FROM [skein].[identifier_mapping] WHERE [entity] = @P1
 DELETE TOP (@P2) FROM [skein].[outbox] WITH (READPAST) WHERE [dequeued_at] < DATEADD(second, -@P1, SYSUTCDATETIME());
 
 -- new global identifiers (2 rows), before the batch transaction
-INSERT INTO [skein].[identifier_mapping] ([entity], [key], [global_id]) SELECT v.e, v.k, v.g FROM (VALUES (@P1, @P2, @P3), (@P4, @P5, @P6)) AS v(e, k, g) WHERE NOT EXISTS (SELECT 1 FROM [skein].[identifier_mapping] t WITH (UPDLOCK, HOLDLOCK) WHERE t.[entity] = v.e AND (t.[key] = v.k OR t.[global_id] = v.g));
+INSERT INTO [skein].[identifier_mapping] ([entity], [key], [global_id]) SELECT v.e, v.k, v.g FROM (VALUES (@P1, @P2, @P3), (@P4, @P5, @P6)) AS v(e, k, g) WHERE NOT EXISTS (SELECT 1 FROM [skein].[identifier_mapping] t WITH (UPDLOCK, HOLDLOCK) WHERE t.[entity] = v.e AND (t.[key] = v.k OR t.[global_id] = v.g)) ORDER BY v.e, v.k;
 
 -- keys holding 2 global identifiers
 SELECT [global_id], [key] FROM [skein].[identifier_mapping] WHERE [entity] = @P1 AND [global_id] IN (@P2, @P3);
