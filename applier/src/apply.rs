@@ -687,8 +687,9 @@ impl<S: Sidecar> Applier<S> {
             let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
             let stored = self.sidecar.versions(entity, &canon).await?;
             let mapped = h.entity().identifier_mapping;
+            let root_ns = crate::identifiers::namespace(&h.entity().schema, &h.entity().table);
             let global = if mapped {
-                self.sidecar.identifiers(entity, &canon).await?
+                self.sidecar.identifiers(&root_ns, &canon).await?
             } else {
                 HashMap::new()
             };
@@ -710,7 +711,7 @@ impl<S: Sidecar> Applier<S> {
                         global_id(global.get(ck), &d, h.entity().global_id_column.as_deref());
                     if let (Some(g), true) = (&gid, new) {
                         wanted.push(IdentifierRow {
-                            entity: entity.to_string(),
+                            entity: root_ns.clone(),
                             key: ck.clone(),
                             global_id: g.clone(),
                         });
@@ -738,11 +739,8 @@ impl<S: Sidecar> Applier<S> {
             };
             // A root identifier assigned now may be another applier's,
             // which won the race for it.
-            let gid = root.map(|g| {
-                ids.get(&(entity.to_string(), ck.clone()))
-                    .cloned()
-                    .unwrap_or(g)
-            });
+            let ns = crate::identifiers::namespace(&h.entity().schema, &h.entity().table);
+            let gid = root.map(|g| ids.get(&(ns, ck.clone())).cloned().unwrap_or(g));
             if let (Some(g), Value::Object(m)) = (&gid, &mut d.data) {
                 m.insert("global_id".into(), Value::String(g.clone()));
             }
