@@ -349,7 +349,6 @@ fn contact_events<'a>(events: &'a [Value], id: &str) -> Vec<&'a Value> {
 /// (contact 1's alternate_contact_id) that is assigned first generates a
 /// UUID for it, which then wins over the row's own pre-assigned value.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "review-12 finding 1 not fixed yet: references do not read the referenced row's global_id_column"]
 async fn review_a_global_id_column_wins_over_a_reference_assigned_first() {
     let env = Env::with_files(
         "rv_ids_ref_first",
@@ -377,13 +376,30 @@ async fn review_a_global_id_column_wins_over_a_reference_assigned_first() {
         "INSERT INTO contact (contact_id, name, legacy_ref) VALUES (2, 'Name2', 'L2')",
     )
     .await;
+    // One batch: the reference reads contact 4's column from the source,
+    // and its proposal agrees with contact 4's own.
+    env.step(
+        &mut run,
+        "INSERT INTO contact (contact_id, name, alternate_contact_id, legacy_ref) \
+         VALUES (3, 'Name3', 4, NULL), (4, 'Name4', NULL, 'L4')",
+    )
+    .await;
     let events = env.events();
     let two = gid(contact(&events, 2));
+    let one = contact_events(&events, "1")[0]["data"].clone();
+    let three = contact(&events, 3)["data"].clone();
+    let four = gid(contact(&events, 4));
     run.stop(&env);
     assert_eq!(
         two, "L2",
         "contact 2's global_id_column value is its pre-assigned id"
     );
+    assert!(
+        one["global_alternate_contact_id"].is_null(),
+        "a reference to a row not there yet has no id yet: {one}"
+    );
+    assert_eq!(four, "L4");
+    assert_eq!(three["global_alternate_contact_id"], "L4", "{three}");
 }
 
 /// Review: a character(n) key prints padded in pgoutput (`"2   "`, the

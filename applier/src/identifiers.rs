@@ -13,7 +13,7 @@
 //! beside each mapped column (null where the column is). Neither is part
 //! of the etag: both follow from keys that are.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use serde_json::{Map, Value};
 use skein_common::config::{Config, EntityConfig};
@@ -388,8 +388,15 @@ impl Plan {
 
     /// Puts the identifiers into the event `data`: `global_id` on each
     /// mapped row, `global_<column>` beside each mapped column. A wanted
-    /// identifier absent from `ids` is an error (it was to be assigned).
-    pub fn apply(&self, data: &mut Value, ids: &HashMap<Wanted, String>) -> Result<()> {
+    /// identifier absent from `ids` is null when `dangling` has it (a
+    /// reference to a row not in the source, whose own pre-assigned id is
+    /// not known yet), else an error (it was to be assigned).
+    pub fn apply(
+        &self,
+        data: &mut Value,
+        ids: &HashMap<Wanted, String>,
+        dangling: &HashSet<Wanted>,
+    ) -> Result<()> {
         let mut failed = None;
         if let (false, Value::Object(root)) = (self.is_empty(), data) {
             self.visit_mut(0, root, &mut |plan, row| {
@@ -397,6 +404,7 @@ impl Plan {
                     None => Value::Null,
                     Some(k) => match ids.get(&(ns.to_string(), k.clone())) {
                         Some(g) => Value::String(g.clone()),
+                        None if dangling.contains(&(ns.to_string(), k.clone())) => Value::Null,
                         None => {
                             failed = Some(format!("{ns} {k}"));
                             Value::Null
@@ -551,7 +559,10 @@ pub async fn assign<S: Sidecar>(
     sidecar: &mut S,
     mut wanted: Vec<IdentifierRow>,
 ) -> Result<HashMap<Wanted, String>> {
-    wanted.sort_by(|a, b| (&a.entity, &a.key).cmp(&(&b.entity, &b.key)));
+    // A pre-assigned proposal first: the dedup keeps it.
+    wanted.sort_by(|a, b| {
+        (&a.entity, &a.key, !a.preassigned).cmp(&(&b.entity, &b.key, !b.preassigned))
+    });
     wanted.dedup_by(|a, b| a.entity == b.entity && a.key == b.key);
     let mut ids = HashMap::new();
     read(sidecar, &wanted, &mut ids).await?;

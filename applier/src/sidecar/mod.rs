@@ -65,6 +65,9 @@ pub struct IdentifierRow {
     pub key: String,
     /// The global identifier.
     pub global_id: String,
+    /// Whether `global_id` is pre-assigned (a `global_id_column` value),
+    /// not generated: of two proposals for one key, it wins.
+    pub preassigned: bool,
 }
 
 /// Everything one batch commits.
