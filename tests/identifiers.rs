@@ -76,7 +76,7 @@ async fn generate_all_identifiers() {
     let stored: i64 = env
         .db
         .query_one(
-            "SELECT count(*) FROM skein.identifier_mapping WHERE entity = 'customer'",
+            "SELECT count(*) FROM skein.identifier_mapping WHERE entity = 'public.customer'",
             &[],
         )
         .await
@@ -96,7 +96,7 @@ async fn use_preassigned_identifiers() {
     env.exec("ALTER TABLE customer ADD COLUMN legacy_ref text")
         .await;
     env.skein_ok(&["sidecar", "migrate"]);
-    env.exec("INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES ('customer', '[\"1\"]', 'C1')")
+    env.exec("INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES ('public.customer', '[\"1\"]', 'C1')")
         .await;
     let mut run = env.start().await;
     env.step(
@@ -224,15 +224,15 @@ async fn generate_all_identifiers_on_joins_and_references() {
 }
 
 /// UsePreassignedIdentifiers on joins (nTangle's ContactTest): rows put in
-/// `identifier_mapping` beforehand win, for the root (by entity) and for
-/// any other table row (by `schema.table`); the rest are generated.
+/// `identifier_mapping` beforehand win, for the root and for any other
+/// table row (each under its `schema.table`); the rest are generated.
 #[tokio::test(flavor = "multi_thread")]
 async fn use_preassigned_identifiers_on_joins_and_references() {
     let env = Env::with_files("ids_joins_pre", &CONTACT, TransportChoice::FromEnv, |y| y).await;
     env.skein_ok(&["sidecar", "migrate"]);
     env.exec(
         "INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES
-           ('contact', '[\"1\"]', 'C1'), ('contact', '[\"2\"]', 'C2'),
+           ('public.contact', '[\"1\"]', 'C1'), ('public.contact', '[\"2\"]', 'C2'),
            ('public.address', '[\"88\"]', 'C88')",
     )
     .await;
@@ -248,6 +248,65 @@ async fn use_preassigned_identifiers_on_joins_and_references() {
     run.stop(&env);
 }
 
+/// Ids an earlier version stored under the entity's name (its root's
+/// rows) are carried over to the table's namespace at start-up and kept:
+/// the root's own and a reference's alike. Where the table's namespace
+/// had another id for the row (assigned to references before the entity
+/// existed), the entity's, published as `data.global_id`, wins. Once done,
+/// a restart changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn ids_stored_under_the_entity_name_are_carried_over() {
+    let env = Env::with_files("ids_carry_over", &CONTACT, TransportChoice::FromEnv, |y| y).await;
+    env.skein_ok(&["sidecar", "migrate"]);
+    env.exec(
+        "INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES
+           ('contact', '[\"1\"]', 'C1'), ('contact', '[\"2\"]', 'C2'),
+           ('public.contact', '[\"1\"]', 'REF1')",
+    )
+    .await;
+    let mut run = env.start().await;
+    env.step(&mut run, CONTACT_DATA).await;
+    let events = env.events();
+    let [c1, alt, ..] = contact_ids(contact(&events, 1));
+    assert_eq!((c1.as_str(), alt.as_str()), ("C1", "C2"));
+    assert_eq!(gid(contact(&events, 2)), "C2");
+    run.stop(&env);
+    let count = |ns: &'static str| {
+        let db = &env.db;
+        async move {
+            db.query_one(
+                "SELECT count(*) FROM skein.identifier_mapping WHERE entity = $1",
+                &[&ns],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(count("contact").await, 0);
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "UPDATE contact SET name = 'again' WHERE contact_id = 1",
+    )
+    .await;
+    let events = env.events();
+    let [c1, alt, ..] = contact_ids(contact(&events, 1));
+    assert_eq!((c1.as_str(), alt.as_str()), ("C1", "C2"));
+    run.stop(&env);
+    let kept: String = env
+        .db
+        .query_one(
+            "SELECT global_id FROM skein.identifier_mapping \
+             WHERE entity = 'public.contact' AND key = '[\"1\"]'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, "C1");
+}
+
 /// A pre-assigned identifier already given to another row is an error
 /// that names both, not an event with a wrong or duplicate identifier.
 #[tokio::test(flavor = "multi_thread")]
@@ -256,7 +315,7 @@ async fn a_global_id_column_value_already_taken_stops_with_both_keys() {
     env.exec("ALTER TABLE customer ADD COLUMN legacy_ref text")
         .await;
     env.skein_ok(&["sidecar", "migrate"]);
-    env.exec("INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES ('customer', '[\"9\"]', 'L1')")
+    env.exec("INSERT INTO skein.identifier_mapping (entity, key, global_id) VALUES ('public.customer', '[\"9\"]', 'L1')")
         .await;
     let run = env.start().await;
     env.exec("INSERT INTO customer (id, name, legacy_ref) VALUES (1, 'Ada', 'L1')")
@@ -290,7 +349,6 @@ fn contact_events<'a>(events: &'a [Value], id: &str) -> Vec<&'a Value> {
 /// (contact 1's alternate_contact_id) that is assigned first generates a
 /// UUID for it, which then wins over the row's own pre-assigned value.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "review-12 finding 1 not fixed yet: references do not read the referenced row's global_id_column"]
 async fn review_a_global_id_column_wins_over_a_reference_assigned_first() {
     let env = Env::with_files(
         "rv_ids_ref_first",
@@ -318,13 +376,30 @@ async fn review_a_global_id_column_wins_over_a_reference_assigned_first() {
         "INSERT INTO contact (contact_id, name, legacy_ref) VALUES (2, 'Name2', 'L2')",
     )
     .await;
+    // One batch: the reference reads contact 4's column from the source,
+    // and its proposal agrees with contact 4's own.
+    env.step(
+        &mut run,
+        "INSERT INTO contact (contact_id, name, alternate_contact_id, legacy_ref) \
+         VALUES (3, 'Name3', 4, NULL), (4, 'Name4', NULL, 'L4')",
+    )
+    .await;
     let events = env.events();
     let two = gid(contact(&events, 2));
+    let one = contact_events(&events, "1")[0]["data"].clone();
+    let three = contact(&events, 3)["data"].clone();
+    let four = gid(contact(&events, 4));
     run.stop(&env);
     assert_eq!(
         two, "L2",
         "contact 2's global_id_column value is its pre-assigned id"
     );
+    assert!(
+        one["global_alternate_contact_id"].is_null(),
+        "a reference to a row not there yet has no id yet: {one}"
+    );
+    assert_eq!(four, "L4");
+    assert_eq!(three["global_alternate_contact_id"], "L4", "{three}");
 }
 
 /// Review: a character(n) key prints padded in pgoutput (`"2   "`, the
@@ -430,7 +505,6 @@ async fn review_an_explicit_char_key_is_the_streamed_aggregate() {
 /// namespace: every reference and mapped join row gets a new identifier,
 /// though "it never changes".
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "review-12 finding 4 not fixed yet: the namespace still depends on the config (needs a sidecar carry-over)"]
 async fn review_adding_an_entity_keeps_the_identifiers_already_published() {
     let env = Env::with_files(
         "rv_ids_namespace",

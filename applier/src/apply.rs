@@ -1,7 +1,7 @@
 //! One partition's applier: a delivery in, one fenced sidecar transaction
 //! out.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use skein_common::config::Config;
@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::event::{build_event, EventContext};
 use crate::fresh::{fresh, Fresh};
 use crate::hydrate::{EntityHydrator, Source};
-use crate::identifiers::Plan;
+use crate::identifiers::{namespace, Plan, Wanted};
 use crate::sidecar::{BatchCommit, IdentifierRow, OutboxRow, Progress, Sidecar, VersionRow};
 use serde_json::Value;
 
@@ -45,6 +45,84 @@ fn plans(cfg: &Config, catalog: &Catalog) -> Result<HashMap<String, Plan>> {
         .iter()
         .map(|e| Ok((e.name.clone(), Plan::new(cfg, e, catalog)?)))
         .collect()
+}
+
+/// Per namespace of a table that is the root of a mapping entity with a
+/// `global_id_column` (the first such entity): a hydrator of the root row
+/// alone, and the column. References into the table read the column's
+/// value through it: the row's pre-assigned id.
+type IdSources = HashMap<String, (EntityHydrator, String)>;
+
+fn id_sources(cfg: &Config, catalog: &Catalog, source: &Source) -> IdSources {
+    let mut out = IdSources::new();
+    for e in cfg.entities.iter().filter(|e| e.identifier_mapping) {
+        let Some(col) = e.global_id_column.clone() else {
+            continue;
+        };
+        out.entry(namespace(&e.schema, &e.table))
+            .or_insert_with(|| {
+                let mut root = e.clone();
+                root.joins.clear();
+                (EntityHydrator::new(&root, catalog, source.dialect()), col)
+            });
+    }
+    out
+}
+
+/// The pre-assigned id of the rows the `hydrated` aggregates reference in
+/// a namespace of `sources`, read in the batch's snapshot, one query per
+/// namespace: `Some` value of the column, or `None` where the row has
+/// none (one is generated). A row the source does not have is absent: its
+/// id is the stored one if any, else none yet.
+async fn referenced_preassigned(
+    plans: &HashMap<String, Plan>,
+    sources: &IdSources,
+    source: &mut Source,
+    by_entity: &[(&str, Vec<usize>, Vec<RootKey>)],
+    hydrated: &[Vec<Current>],
+) -> Result<HashMap<Wanted, Option<String>>> {
+    let mut by_ns: HashMap<&str, Vec<String>> = HashMap::new();
+    for ((entity, _, _), current) in by_entity.iter().zip(hydrated) {
+        let Some(plan) = plans.get(*entity) else {
+            continue;
+        };
+        for c in current {
+            if let Current::Present { data, .. } = c {
+                for (ns, key) in plan.wanted(data) {
+                    if let Some((ns, _)) = sources.get_key_value(&ns) {
+                        by_ns.entry(ns.as_str()).or_default().push(key);
+                    }
+                }
+            }
+        }
+    }
+    let mut out = HashMap::new();
+    for (ns, mut keys) in by_ns {
+        keys.sort();
+        keys.dedup();
+        let (keys, roots): (Vec<String>, Vec<RootKey>) = keys
+            .into_iter()
+            .filter_map(|k| RootKey::from_canonical(&k).map(|r| (k, r)))
+            .unzip();
+        let (h, col) = &sources[ns];
+        for (k, c) in keys.into_iter().zip(h.hydrate(source, &roots).await?) {
+            if let Current::Present { data, .. } = c {
+                let value = data.get(col).and_then(preassigned);
+                out.insert((ns.to_string(), k), value);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A `global_id_column` value as an id: none when null or empty.
+fn preassigned(v: &Value) -> Option<String> {
+    match v {
+        Value::Null => None,
+        Value::String(s) if s.is_empty() => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    }
 }
 
 fn hydrators(cfg: &Config, catalog: &Catalog, source: &Source) -> HashMap<String, EntityHydrator> {
@@ -90,12 +168,7 @@ pub fn global_id(
     if d.action == Action::Deleted {
         return (None, false);
     }
-    let preassigned = column.and_then(|c| d.data.get(c)).and_then(|v| match v {
-        Value::Null => None,
-        Value::String(s) if s.is_empty() => None,
-        Value::String(s) => Some(s.clone()),
-        other => Some(other.to_string()),
-    });
+    let preassigned = column.and_then(|c| d.data.get(c)).and_then(preassigned);
     (
         Some(preassigned.unwrap_or_else(|| uuid::Uuid::now_v7().to_string())),
         true,
@@ -176,6 +249,8 @@ pub struct Applier<S: Sidecar> {
     hydrators: HashMap<String, EntityHydrator>,
     /// Each entity's identifier mapping below the root, over `catalog`.
     plans: HashMap<String, Plan>,
+    /// Where references read pre-assigned ids, over `catalog`.
+    id_sources: IdSources,
     topic: String,
     partition: u32,
     kind: CheckpointKind,
@@ -197,7 +272,9 @@ impl<S: Sidecar> Applier<S> {
         kind: CheckpointKind,
     ) -> Result<Self> {
         let hydrators = hydrators(cfg, catalog, &source);
+        let id_sources = id_sources(cfg, catalog, &source);
         Ok(Applier {
+            id_sources,
             cfg: cfg.clone(),
             source,
             sidecar,
@@ -251,6 +328,7 @@ impl<S: Sidecar> Applier<S> {
         );
         self.plans = plans(&self.cfg, &now)?;
         self.hydrators = hydrators(&self.cfg, &now, &self.source);
+        self.id_sources = id_sources(&self.cfg, &now, &self.source);
         self.catalog = now;
         Ok(())
     }
@@ -666,10 +744,23 @@ impl<S: Sidecar> Applier<S> {
             Ok(()) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
             Err(e) => Err(e),
         };
+        // The pre-assigned ids of referenced rows, in the same snapshot.
+        let read = match read {
+            Ok(h) => referenced_preassigned(
+                &self.plans,
+                &self.id_sources,
+                &mut self.source,
+                &by_entity,
+                &h,
+            )
+            .await
+            .map(|p| (h, p)),
+            Err(e) => Err(e),
+        };
         // A hydration error is the cause; ending the snapshot after it can
         // only fail for the same reason (a lost connection).
         let ended = self.source.end_snapshot().await;
-        let hydrated = read?;
+        let (hydrated, referenced) = read?;
         ended?;
         let mut outbox = vec![];
         let mut versions = vec![];
@@ -680,6 +771,7 @@ impl<S: Sidecar> Applier<S> {
         // event is built.
         let mut decided = vec![];
         let mut wanted = vec![];
+        let mut dangling: HashSet<Wanted> = HashSet::new();
         for ((entity, idxs, keys), current) in by_entity.into_iter().zip(hydrated) {
             let Some(h) = self.hydrators.get(entity) else {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
@@ -687,8 +779,9 @@ impl<S: Sidecar> Applier<S> {
             let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
             let stored = self.sidecar.versions(entity, &canon).await?;
             let mapped = h.entity().identifier_mapping;
+            let root_ns = crate::identifiers::namespace(&h.entity().schema, &h.entity().table);
             let global = if mapped {
-                self.sidecar.identifiers(entity, &canon).await?
+                self.sidecar.identifiers(&root_ns, &canon).await?
             } else {
                 HashMap::new()
             };
@@ -709,10 +802,13 @@ impl<S: Sidecar> Applier<S> {
                     let (gid, new) =
                         global_id(global.get(ck), &d, h.entity().global_id_column.as_deref());
                     if let (Some(g), true) = (&gid, new) {
+                        let column = h.entity().global_id_column.as_deref();
                         wanted.push(IdentifierRow {
-                            entity: entity.to_string(),
+                            entity: root_ns.clone(),
                             key: ck.clone(),
                             global_id: g.clone(),
+                            preassigned: column.and_then(|c| d.data.get(c)).and_then(preassigned)
+                                == Some(g.clone()),
                         });
                     }
                     gid
@@ -721,33 +817,51 @@ impl<S: Sidecar> Applier<S> {
                 };
                 if let (Some(plan), false) = (plan, d.action == Action::Deleted) {
                     for (ns, key) in plan.wanted(&d.data) {
+                        // A row of a table with a `global_id_column`: its
+                        // value, read from the source; none yet for a row
+                        // the source does not have (the stored id, if any).
+                        let pre = match referenced.get(&(ns.clone(), key.clone())) {
+                            _ if !self.id_sources.contains_key(&ns) => None,
+                            Some(pre) => pre.clone(),
+                            None => {
+                                dangling.insert((ns, key));
+                                continue;
+                            }
+                        };
                         wanted.push(IdentifierRow {
                             entity: ns,
                             key,
-                            global_id: uuid::Uuid::now_v7().to_string(),
+                            preassigned: pre.is_some(),
+                            global_id: pre.unwrap_or_else(|| uuid::Uuid::now_v7().to_string()),
                         });
                     }
                 }
                 decided.push((entity, *i, ck.clone(), d, root));
             }
         }
-        let ids = crate::identifiers::assign(&mut self.sidecar, wanted).await?;
+        let mut ids = crate::identifiers::assign(&mut self.sidecar, wanted).await?;
+        let mut stored: HashMap<&str, Vec<String>> = HashMap::new();
+        for (ns, key) in &dangling {
+            stored.entry(ns).or_default().push(key.clone());
+        }
+        for (ns, keys) in stored {
+            for (k, g) in self.sidecar.identifiers(ns, &keys).await? {
+                ids.insert((ns.to_string(), k), g);
+            }
+        }
         for (entity, i, ck, mut d, root) in decided {
             let (Some(h), c) = (self.hydrators.get(entity), &consolidated[i]) else {
                 continue;
             };
             // A root identifier assigned now may be another applier's,
             // which won the race for it.
-            let gid = root.map(|g| {
-                ids.get(&(entity.to_string(), ck.clone()))
-                    .cloned()
-                    .unwrap_or(g)
-            });
+            let ns = crate::identifiers::namespace(&h.entity().schema, &h.entity().table);
+            let gid = root.map(|g| ids.get(&(ns, ck.clone())).cloned().unwrap_or(g));
             if let (Some(g), Value::Object(m)) = (&gid, &mut d.data) {
                 m.insert("global_id".into(), Value::String(g.clone()));
             }
             if let (Some(plan), false) = (self.plans.get(entity), d.action == Action::Deleted) {
-                plan.apply(&mut d.data, &ids)?;
+                plan.apply(&mut d.data, &ids, &dangling)?;
             }
             let id = uuid::Uuid::now_v7().to_string();
             let ev = build_event(

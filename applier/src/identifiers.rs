@@ -4,16 +4,16 @@
 //! `identifier_mapping` table.
 //!
 //! One table row has one identifier, whatever refers to it: rows are kept
-//! under a namespace per table ([`namespace`]): the name of the entity the
-//! table is the root of (where that entity maps its identifiers, so a
-//! reference to a contact carries the contact's own `global_id`), else
-//! `schema.table`. Keys are canonical root-key text (`["11"]`).
+//! under a namespace per table ([`namespace`]), `schema.table`, the root's
+//! own identifier included (so a reference to a contact carries the
+//! contact's own `global_id`, and adding an entity changes no id). Keys
+//! are canonical root-key text (`["11"]`).
 //!
 //! The event gets `global_id` on each mapped row and `global_<column>`
 //! beside each mapped column (null where the column is). Neither is part
 //! of the etag: both follow from keys that are.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use serde_json::{Map, Value};
 use skein_common::config::{Config, EntityConfig};
@@ -23,12 +23,108 @@ use skein_sql::Catalog;
 use crate::error::{Error, Result};
 use crate::sidecar::{IdentifierRow, Sidecar};
 
-/// The `identifier_mapping` namespace of `schema.table`'s rows.
-pub fn namespace(cfg: &Config, schema: &str, table: &str) -> String {
+/// The `identifier_mapping` namespace of `schema.table`'s rows:
+/// `schema.table`, whatever the config (one row, one id: an entity added
+/// later on the table keeps the ids its rows were published with).
+pub fn namespace(schema: &str, table: &str) -> String {
+    format!("{schema}.{table}")
+}
+
+/// A row of one namespace at odds with one of another: key and global id
+/// of the first, then of the second.
+pub type Conflict = (String, String, String, String);
+
+/// The namespace moves of [`carry_over`]: each mapping entity's former
+/// namespace (its name) to its root table's.
+pub fn carry_over_moves(cfg: &Config) -> Vec<(String, String)> {
     cfg.entities
         .iter()
-        .find(|e| e.identifier_mapping && e.schema == schema && e.table == table)
-        .map_or_else(|| format!("{schema}.{table}"), |e| e.name.clone())
+        .filter(|e| e.identifier_mapping)
+        .map(|e| (e.name.clone(), namespace(&e.schema, &e.table)))
+        .filter(|(from, to)| from != to)
+        .collect()
+}
+
+/// The namespace pairs whose conflicts [`judge_carry_over`] decides on
+/// before `moves` are made: each move's `from` with its `to`, and with the
+/// `from` of each earlier move into the same `to` (`true`: two entities).
+pub fn carry_over_checks(moves: &[(String, String)]) -> Vec<(&str, &str, bool)> {
+    let mut out = vec![];
+    for (i, (from, to)) in moves.iter().enumerate() {
+        out.push((from.as_str(), to.as_str(), false));
+        for (other, _) in moves[..i].iter().filter(|(_, t)| t == to) {
+            out.push((from.as_str(), other.as_str(), true));
+        }
+    }
+    out
+}
+
+/// Decides on the `conflicts` of namespace `from`'s rows with `to`'s
+/// before `from`'s move to `to` ([`carry_over`]). `between_entities`: `to`
+/// is another entity's former namespace. Returns how many of `to`'s rows
+/// the move replaces with `from`'s (same key, another id).
+///
+/// An entity's id of a row is the one its events carry as `data.global_id`,
+/// and the one every reference to the row carried since the entity was
+/// added (an earlier version keyed references to a root table by the
+/// entity's name): it wins over an id stored under `schema.table` before
+/// the entity existed, which only older events carry. Two entities of one
+/// table with different ids for a row, or one id on two rows, leave no id
+/// to keep without contradicting published ones: an error.
+pub fn judge_carry_over(
+    from: &str,
+    to: &str,
+    between_entities: bool,
+    conflicts: &[Conflict],
+) -> Result<u64> {
+    let mut replaced = 0;
+    for (k1, g1, k2, g2) in conflicts {
+        if k1 == k2 && !between_entities {
+            tracing::warn!(
+                key = %k1, kept = %g1, dropped = %g2,
+                "identifier mapping: `{to}` had another id for a row of entity `{from}` (assigned \
+                 to references before the entity mapped its rows); the entity's is kept"
+            );
+            replaced += 1;
+            continue;
+        }
+        let why = if k1 == k2 {
+            format!(
+                "entities `{from}` and `{to}`, rooted on one table, published different global \
+                 ids for key {k1} (`{g1}`, `{g2}`), and a row now has one identifier"
+            )
+        } else {
+            format!(
+                "global id `{g1}` of key {k1} (namespace `{from}`) is key {k2}'s in namespace \
+                 `{to}`, and an identifier names one row"
+            )
+        };
+        return Err(Error::Data(format!(
+            "identifier mapping: cannot carry the ids of namespace `{from}` over to the table's \
+             namespace: {why}. Delete the row to give up from the sidecar's identifier_mapping, \
+             then restart"
+        )));
+    }
+    Ok(replaced)
+}
+
+/// Start-up carry-over of ids an earlier version stored under a mapping
+/// entity's name (its root's rows) to the table's namespace, where they
+/// are now looked up (see [`namespace`]), in one transaction; idempotent.
+pub async fn carry_over<S: Sidecar>(cfg: &Config, sidecar: &mut S) -> Result<()> {
+    let moves = carry_over_moves(cfg);
+    if moves.is_empty() {
+        return Ok(());
+    }
+    let moved = sidecar.move_identifiers(&moves).await?;
+    if moved > 0 {
+        tracing::info!(
+            moved,
+            "identifier mapping: ids stored under entity names carried over to their tables' \
+             namespaces"
+        );
+    }
+    Ok(())
 }
 
 /// What one node of an entity maps.
@@ -190,7 +286,7 @@ impl Plan {
                         pad_of(catalog, &entity.name, what, &n.schema, &n.table, c)
                     })
                     .collect::<Result<_>>()?;
-                plans[n.index].own = Some((namespace(cfg, &n.schema, &n.table), key, pads));
+                plans[n.index].own = Some((namespace(&n.schema, &n.table), key, pads));
             }
             for m in &n.mappings {
                 if !shown.contains(&m.name) {
@@ -218,7 +314,7 @@ impl Plan {
                     if !known {
                         plans[n.index].refs.push((
                             m.name.clone(),
-                            namespace(cfg, schema, &m.table),
+                            namespace(schema, &m.table),
                             None,
                         ));
                         continue;
@@ -236,7 +332,7 @@ impl Plan {
                 let pad = pad_of(catalog, &entity.name, "the key", schema, &m.table, k)?;
                 plans[n.index]
                     .refs
-                    .push((m.name.clone(), namespace(cfg, schema, &m.table), pad));
+                    .push((m.name.clone(), namespace(schema, &m.table), pad));
             }
         }
         let any = plans.iter().any(|p| p.own.is_some() || !p.refs.is_empty());
@@ -292,8 +388,15 @@ impl Plan {
 
     /// Puts the identifiers into the event `data`: `global_id` on each
     /// mapped row, `global_<column>` beside each mapped column. A wanted
-    /// identifier absent from `ids` is an error (it was to be assigned).
-    pub fn apply(&self, data: &mut Value, ids: &HashMap<Wanted, String>) -> Result<()> {
+    /// identifier absent from `ids` is null when `dangling` has it (a
+    /// reference to a row not in the source, whose own pre-assigned id is
+    /// not known yet), else an error (it was to be assigned).
+    pub fn apply(
+        &self,
+        data: &mut Value,
+        ids: &HashMap<Wanted, String>,
+        dangling: &HashSet<Wanted>,
+    ) -> Result<()> {
         let mut failed = None;
         if let (false, Value::Object(root)) = (self.is_empty(), data) {
             self.visit_mut(0, root, &mut |plan, row| {
@@ -301,6 +404,7 @@ impl Plan {
                     None => Value::Null,
                     Some(k) => match ids.get(&(ns.to_string(), k.clone())) {
                         Some(g) => Value::String(g.clone()),
+                        None if dangling.contains(&(ns.to_string(), k.clone())) => Value::Null,
                         None => {
                             failed = Some(format!("{ns} {k}"));
                             Value::Null
@@ -455,7 +559,10 @@ pub async fn assign<S: Sidecar>(
     sidecar: &mut S,
     mut wanted: Vec<IdentifierRow>,
 ) -> Result<HashMap<Wanted, String>> {
-    wanted.sort_by(|a, b| (&a.entity, &a.key).cmp(&(&b.entity, &b.key)));
+    // A pre-assigned proposal first: the dedup keeps it.
+    wanted.sort_by(|a, b| {
+        (&a.entity, &a.key, !a.preassigned).cmp(&(&b.entity, &b.key, !b.preassigned))
+    });
     wanted.dedup_by(|a, b| a.entity == b.entity && a.key == b.key);
     let mut ids = HashMap::new();
     read(sidecar, &wanted, &mut ids).await?;
@@ -581,16 +688,46 @@ mod tests {
     }
 
     #[test]
+    fn the_carry_over_keeps_the_entitys_id_and_refuses_contradictions() {
+        let moves = [
+            ("a".to_string(), "public.t".to_string()),
+            ("b".to_string(), "public.t".to_string()),
+        ];
+        assert_eq!(
+            carry_over_checks(&moves),
+            vec![
+                ("a", "public.t", false),
+                ("b", "public.t", false),
+                ("b", "a", true)
+            ]
+        );
+        let c = |k1: &str, g1: &str, k2: &str, g2: &str| {
+            vec![(k1.into(), g1.into(), k2.into(), g2.into())]
+        };
+        let same_key = c("[\"1\"]", "E", "[\"1\"]", "R");
+        assert_eq!(
+            judge_carry_over("a", "public.t", false, &same_key).unwrap(),
+            1
+        );
+        let e = judge_carry_over("b", "a", true, &same_key)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`E`") && e.contains("`R`"), "{e}");
+        let same_id = c("[\"1\"]", "E", "[\"2\"]", "E");
+        let e = judge_carry_over("a", "public.t", false, &same_id)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[\"2\"]"), "{e}");
+    }
+
+    #[test]
     fn a_char_key_reference_is_padded_as_the_stream_sends_it() {
         let cfg = config(REF);
         let p = plan(&cfg, &catalog(("character(4)", "bpchar"), &[], &[])).unwrap();
         let data = json!({"contact_id": "1", "alternate_contact_id": "2"});
         assert_eq!(
             p.wanted(&data),
-            vec![(
-                namespace(&cfg, "public", "contact"),
-                r#"["2   "]"#.to_string()
-            )]
+            vec![(namespace("public", "contact"), r#"["2   "]"#.to_string())]
         );
     }
 

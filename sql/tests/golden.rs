@@ -560,6 +560,18 @@ fn sqlserver_sidecar_statements_are_frozen() {
             "keys holding 2 global identifiers",
             sc::identifier_holders_sql(s, 2),
         ),
+        (
+            "start-up: identifiers of an entity-name namespace at odds with its table's",
+            sc::identifier_conflicts_sql(s),
+        ),
+        (
+            "start-up: identifiers moved to the table's namespace, 1 of 2",
+            sc::identifiers_move_sql(s)[0].clone(),
+        ),
+        (
+            "start-up: identifiers moved to the table's namespace, 2 of 2",
+            sc::identifiers_move_sql(s)[1].clone(),
+        ),
     ]
     .iter()
     .map(|(what, sql)| format!("-- {what}\n{sql};\n"))
@@ -674,6 +686,18 @@ fn postgres_sidecar_statements_are_frozen() {
         (
             "keys holding global identifiers",
             sc::identifier_holders_sql(s),
+        ),
+        (
+            "start-up: identifiers of an entity-name namespace at odds with its table's",
+            sc::identifier_conflicts_sql(s),
+        ),
+        (
+            "start-up: identifiers moved to the table's namespace, 1 of 2",
+            sc::identifiers_move_sql(s)[0].clone(),
+        ),
+        (
+            "start-up: identifiers moved to the table's namespace, 2 of 2",
+            sc::identifiers_move_sql(s)[1].clone(),
         ),
     ]
     .iter()

@@ -19,7 +19,10 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     super::metrics::serve(&cfg, "apply")?;
     let k = kafka(&cfg)?;
     let (kc, topic) = (kafka_client(k), k.topic.clone());
-    sidecar(&cfg).await?.migrate().await?;
+    let mut sc = sidecar(&cfg).await?;
+    sc.migrate().await?;
+    skein_applier::identifiers::carry_over(&cfg, &mut sc).await?;
+    drop(sc);
     let catalog = skein_extractor::load_catalog(&cfg).await?;
     skein_applier::check_identifier_mapping(&cfg, &catalog).await?;
     for t in [topic.clone(), dlq_topic(&topic)] {

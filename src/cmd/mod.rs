@@ -68,6 +68,7 @@ pub async fn prepare_sidecar(
 ) -> anyhow::Result<Option<SourcePosition>> {
     let mut sc = sidecar(cfg).await?;
     sc.migrate().await?;
+    skein_applier::identifiers::carry_over(cfg, &mut sc).await?;
     let known = TopicProgress::read(&mut sc, cfg, topic).await?;
     let floor = known.floor(kind)?;
     let configured = cfg.transport.partitions();

@@ -58,13 +58,16 @@ pub struct VersionRow {
 /// [`crate::identifiers`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdentifierRow {
-    /// The namespace: the entity name for a root key, else the table's
-    /// (see [`crate::identifiers::namespace`]).
+    /// The namespace: the row's table (see
+    /// [`crate::identifiers::namespace`]).
     pub entity: String,
     /// Canonical key.
     pub key: String,
     /// The global identifier.
     pub global_id: String,
+    /// Whether `global_id` is pre-assigned (a `global_id_column` value),
+    /// not generated: of two proposals for one key, it wins.
+    pub preassigned: bool,
 }
 
 /// Everything one batch commits.
@@ -411,6 +414,17 @@ pub trait Sidecar {
     fn insert_identifiers(
         &mut self,
         rows: &[IdentifierRow],
+    ) -> impl Future<Output = Result<u64>> + Send;
+
+    /// In one transaction: for each `(from, to)` of `moves`, the rows of
+    /// namespace `from` at odds with `to`'s, and with those of an earlier
+    /// move's `from` into the same `to`, are judged
+    /// ([`crate::identifiers::judge_carry_over`]; an error rolls back);
+    /// then `from`'s rows move to `to`, replacing `to`'s of the same keys.
+    /// Returns how many rows moved.
+    fn move_identifiers(
+        &mut self,
+        moves: &[(String, String)],
     ) -> impl Future<Output = Result<u64>> + Send;
 
     /// The keys of namespace `entity` that hold the given global ids (an
@@ -769,6 +783,10 @@ impl Sidecar for AnySidecar {
 
     async fn insert_identifiers(&mut self, rows: &[IdentifierRow]) -> Result<u64> {
         delegate!(self, s => s.insert_identifiers(rows).await)
+    }
+
+    async fn move_identifiers(&mut self, moves: &[(String, String)]) -> Result<u64> {
+        delegate!(self, s => s.move_identifiers(moves).await)
     }
 
     async fn identifier_holders(

@@ -578,6 +578,42 @@ impl Sidecar for PgSidecar {
         Ok(n)
     }
 
+    async fn move_identifiers(&mut self, moves: &[(String, String)]) -> Result<u64> {
+        let s = self.schema.as_str();
+        let tx = self
+            .client
+            .transaction()
+            .await
+            .map_err(db("beginning the identifier carry-over"))?;
+        let conflicts = sc::identifier_conflicts_sql(s);
+        for (from, other, between) in crate::identifiers::carry_over_checks(moves) {
+            let rows = tx
+                .query(&conflicts, &[&from, &other])
+                .await
+                .map_err(db("reading identifiers at odds"))?;
+            let rows: Vec<_> = rows
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+                .collect();
+            crate::identifiers::judge_carry_over(from, other, between, &rows)?;
+        }
+        let [delete, update] = sc::identifiers_move_sql(s);
+        let mut moved = 0;
+        for (from, to) in moves {
+            tx.execute(&delete, &[from, to])
+                .await
+                .map_err(db("replacing carried-over identifiers"))?;
+            moved += tx
+                .execute(&update, &[from, to])
+                .await
+                .map_err(db("carrying identifiers over"))?;
+        }
+        tx.commit()
+            .await
+            .map_err(db("committing the identifier carry-over"))?;
+        Ok(moved)
+    }
+
     async fn identifier_holders(
         &mut self,
         entity: &str,

@@ -537,6 +537,39 @@ impl Sidecar for MssqlSidecar {
         Ok(n)
     }
 
+    async fn move_identifiers(&mut self, moves: &[(String, String)]) -> Result<u64> {
+        let s = self.schema.as_str();
+        let mut tx = self
+            .client
+            .transaction("beginning the identifier carry-over")
+            .await?;
+        let conflicts = sc::identifier_conflicts_sql(s);
+        for (from, other, between) in crate::identifiers::carry_over_checks(moves) {
+            let rows = tx
+                .query("reading identifiers at odds", &conflicts, &[&from, &other])
+                .await?;
+            let rows: Vec<_> = rows
+                .iter()
+                .filter_map(|r| {
+                    let t = |i: usize| text(r.get(i));
+                    Some((t(0)?, t(1)?, t(2)?, t(3)?))
+                })
+                .collect();
+            crate::identifiers::judge_carry_over(from, other, between, &rows)?;
+        }
+        let [delete, update] = sc::identifiers_move_sql(s);
+        let mut moved = 0;
+        for (from, to) in moves {
+            tx.execute("replacing carried-over identifiers", &delete, &[from, to])
+                .await?;
+            moved += tx
+                .execute("carrying identifiers over", &update, &[from, to])
+                .await?;
+        }
+        tx.commit("committing the identifier carry-over").await?;
+        Ok(moved)
+    }
+
     async fn identifier_holders(
         &mut self,
         entity: &str,

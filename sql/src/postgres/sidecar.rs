@@ -453,6 +453,35 @@ pub fn identifier_holders_sql(schema: &str) -> String {
     )
 }
 
+/// The rows of namespace `$1` at odds with those of namespace `$2`: the
+/// same key with another global id, or the same global id on another key.
+/// Columns: key and global_id of `$1`'s row, then of `$2`'s.
+pub fn identifier_conflicts_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "SELECT o.key, o.global_id, n.key, n.global_id FROM {s}.\"identifier_mapping\" o \
+         JOIN {s}.\"identifier_mapping\" n ON n.entity = $2 AND n.key = o.key \
+         WHERE o.entity = $1 AND n.global_id <> o.global_id \
+         UNION ALL SELECT o.key, o.global_id, n.key, n.global_id FROM {s}.\"identifier_mapping\" o \
+         JOIN {s}.\"identifier_mapping\" n ON n.entity = $2 AND n.global_id = o.global_id \
+         WHERE o.entity = $1 AND n.key <> o.key"
+    )
+}
+
+/// Moves the rows of namespace `$1` to namespace `$2` (in one
+/// transaction, after [`identifier_conflicts_sql`]): first deletes `$2`'s
+/// rows of the keys `$1` has, then renames `$1`'s.
+pub fn identifiers_move_sql(schema: &str) -> [String; 2] {
+    let s = qi(schema);
+    [
+        format!(
+            "DELETE FROM {s}.\"identifier_mapping\" WHERE entity = $2 AND key IN \
+             (SELECT key FROM {s}.\"identifier_mapping\" WHERE entity = $1)"
+        ),
+        format!("UPDATE {s}.\"identifier_mapping\" SET entity = $2 WHERE entity = $1"),
+    ]
+}
+
 /// Deletes at most `$2` outbox rows relayed more than `$1` seconds ago
 /// (a chunk of the retention purge), skipping rows another transaction
 /// holds; returns how many it deleted.

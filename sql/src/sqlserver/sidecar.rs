@@ -512,6 +512,35 @@ pub fn identifier_holders_sql(schema: &str, ids: usize) -> String {
     )
 }
 
+/// The rows of namespace `@P1` at odds with those of namespace `@P2`: the
+/// same key with another global id, or the same global id on another key.
+/// Columns: key and global_id of `@P1`'s row, then of `@P2`'s.
+pub fn identifier_conflicts_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "SELECT o.[key], o.[global_id], n.[key], n.[global_id] FROM {s}.[identifier_mapping] o \
+         JOIN {s}.[identifier_mapping] n ON n.[entity] = @P2 AND n.[key] = o.[key] \
+         WHERE o.[entity] = @P1 AND n.[global_id] <> o.[global_id] \
+         UNION ALL SELECT o.[key], o.[global_id], n.[key], n.[global_id] FROM {s}.[identifier_mapping] o \
+         JOIN {s}.[identifier_mapping] n ON n.[entity] = @P2 AND n.[global_id] = o.[global_id] \
+         WHERE o.[entity] = @P1 AND n.[key] <> o.[key]"
+    )
+}
+
+/// Moves the rows of namespace `@P1` to namespace `@P2` (in one
+/// transaction, after [`identifier_conflicts_sql`]): first deletes
+/// `@P2`'s rows of the keys `@P1` has, then renames `@P1`'s.
+pub fn identifiers_move_sql(schema: &str) -> [String; 2] {
+    let s = qi(schema);
+    [
+        format!(
+            "DELETE FROM {s}.[identifier_mapping] WHERE [entity] = @P2 AND [key] IN \
+             (SELECT [key] FROM {s}.[identifier_mapping] WHERE [entity] = @P1)"
+        ),
+        format!("UPDATE {s}.[identifier_mapping] SET [entity] = @P2 WHERE [entity] = @P1"),
+    ]
+}
+
 /// Deletes at most `@P2` outbox rows relayed more than `@P1` seconds ago
 /// (a chunk of the retention purge), skipping rows another transaction
 /// holds (`READPAST`).

@@ -124,3 +124,12 @@ INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM 
 
 -- keys holding global identifiers
 SELECT global_id, key FROM "skein"."identifier_mapping" WHERE entity = $1 AND global_id = ANY($2);
+
+-- start-up: identifiers of an entity-name namespace at odds with its table's
+SELECT o.key, o.global_id, n.key, n.global_id FROM "skein"."identifier_mapping" o JOIN "skein"."identifier_mapping" n ON n.entity = $2 AND n.key = o.key WHERE o.entity = $1 AND n.global_id <> o.global_id UNION ALL SELECT o.key, o.global_id, n.key, n.global_id FROM "skein"."identifier_mapping" o JOIN "skein"."identifier_mapping" n ON n.entity = $2 AND n.global_id = o.global_id WHERE o.entity = $1 AND n.key <> o.key;
+
+-- start-up: identifiers moved to the table's namespace, 1 of 2
+DELETE FROM "skein"."identifier_mapping" WHERE entity = $2 AND key IN (SELECT key FROM "skein"."identifier_mapping" WHERE entity = $1);
+
+-- start-up: identifiers moved to the table's namespace, 2 of 2
+UPDATE "skein"."identifier_mapping" SET entity = $2 WHERE entity = $1;
