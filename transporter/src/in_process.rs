@@ -61,6 +61,7 @@ impl InProcess {
             receivers,
             open: (0..partitions.max(1)).collect(),
             unacked: HashMap::new(),
+            failed: HashMap::new(),
             announced: false,
             dialect,
         };
@@ -169,16 +170,24 @@ impl Drop for InFlight {
 /// The applier side of the in-process transport: every partition's
 /// channel, read as one [`Inbox`].
 ///
-/// The extractor sends one slice to every partition per batch and waits for
-/// all of them, so a round gathers one slice per open partition (or what
-/// arrived within [`GATHER`] of the first) and the applier applies them
-/// concurrently.
+/// The extractor sends one slice to every partition per batch (several
+/// batches may be in flight, each partition's slices queued in order), so a
+/// round gathers at most one slice per open partition (or what arrived
+/// within [`GATHER`] of the first) and the applier applies them
+/// concurrently. A partition delivers its next slice only after the last
+/// one was acknowledged, and none after one failed.
 pub struct InProcessInbox {
     receivers: Vec<crossbeam_channel::Receiver<Slice>>,
     /// Partitions whose sender is still there.
     open: std::collections::BTreeSet<u32>,
     /// Delivered slices waiting for [`Inbox::committed`].
     unacked: HashMap<u32, Slice>,
+    /// Partitions whose last slice failed, with the reason: with batches
+    /// in flight, later slices of that partition are refused, never
+    /// applied. Applying one would move the partition's progress past the
+    /// failed batch, which the extractor re-sends, and its records would
+    /// then be dropped as already applied.
+    failed: HashMap<u32, String>,
     /// Whether the one [`Membership::Assigned`] (all partitions) was given.
     announced: bool,
     dialect: Dialect,
@@ -246,6 +255,12 @@ impl InProcessInbox {
 
     fn take(&mut self, got: Got, round: &mut Round) {
         match got {
+            Got::Slice(p, slice) if self.failed.contains_key(&p) => {
+                let reason = &self.failed[&p];
+                slice.ack(Err(format!(
+                    "not applied: an earlier batch of partition {p} failed ({reason})"
+                )));
+            }
             Got::Slice(p, mut slice) => {
                 // The slice stays only for its acknowledgement: its records
                 // move to the delivery instead of being copied.
@@ -311,6 +326,9 @@ impl Inbox for InProcessInbox {
         partition: u32,
         outcome: std::result::Result<Checkpoint, String>,
     ) -> Result<()> {
+        if let Err(reason) = &outcome {
+            self.failed.insert(partition, reason.clone());
+        }
         if let Some(slice) = self.unacked.remove(&partition) {
             slice.ack(outcome.map(|_| ()));
         }
@@ -435,16 +453,21 @@ mod tests {
         assert!(closed, "the inbox never saw the sender go");
     }
 
-    #[tokio::test]
-    async fn a_partition_delivers_again_only_after_its_ack() {
-        let (t, mut inbox) = InProcess::new(1, 4, Dialect::Postgres);
-        let batch = |u| Batch {
+    /// Batch `(u, u + 1]` holding one record of key 1.
+    fn one_record(u: u64, seq: u64) -> Batch {
+        Batch {
             seq: u,
             lower: PgLsn(u).into(),
             upper: PgLsn(u + 1).into(),
             has_data_loss: false,
-            records: vec![rec("1", 0)],
-        };
+            records: vec![rec("1", seq)],
+        }
+    }
+
+    #[tokio::test]
+    async fn a_partition_delivers_again_only_after_its_ack() {
+        let (t, mut inbox) = InProcess::new(1, 4, Dialect::Postgres);
+        let batch = |u| one_record(u, 0);
         let sender = tokio::spawn(async move {
             t.send(batch(1)).await.unwrap();
             t.send(batch(2)).await.unwrap();
@@ -475,5 +498,33 @@ mod tests {
                 Checkpoint::Source(PgLsn(3).into())
             ]
         );
+    }
+
+    /// Pipelined batches queue behind a failed one: a partition whose slice
+    /// failed (a fenced or failed commit) must not apply the next, or its
+    /// progress would cover the failed batch the extractor re-sends.
+    #[tokio::test]
+    async fn after_a_failed_slice_the_partition_applies_nothing_more() {
+        let (t, mut inbox) = InProcess::new(1, 4, Dialect::Postgres);
+        let batch = |u| one_record(u, u);
+        let first = t.submit(batch(1)).await.unwrap();
+        let second = t.submit(batch(2)).await.unwrap();
+        let mut delivered = vec![];
+        while delivered.is_empty() {
+            delivered = inbox.next().await.unwrap().deliveries;
+        }
+        assert_eq!(delivered[0].upper, Checkpoint::Source(PgLsn(2).into()));
+        inbox.committed(0, Err("fenced".into())).await.unwrap();
+        for _ in 0..3 {
+            let r = inbox.next().await.unwrap();
+            assert!(
+                r.deliveries.is_empty(),
+                "a slice after the failed one was delivered: {:?}",
+                r.deliveries
+            );
+        }
+        assert!(first.await.is_err());
+        let e = second.await.unwrap_err();
+        assert!(e.to_string().contains("earlier batch"), "{e}");
     }
 }
