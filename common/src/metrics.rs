@@ -127,7 +127,7 @@ pub fn describe() {
         describe_gauge!(*name, *unit, *help);
     }
     let histograms: &[(&str, &str)] = &[
-        (EXTRACTOR_HANDOVER, "Hand-over time of an extractor batch: transport acknowledgement plus the marker write."),
+        (EXTRACTOR_HANDOVER, "Hand-over time of an extractor batch: from its submission to the transport until its acknowledgement and marker write, waiting behind the batches in flight before it included."),
         (APPLIER_BATCH_DURATION, "Duration of an applier batch: hydration, versioning and the sidecar commit."),
         (EVENT_LATENCY, "Time from an event's source commit to its outbox commit (events of changes; not explicit or re-check events)."),
     ];

@@ -347,7 +347,11 @@ async fn pipeline<S: ChangeSource + Send, T: Transport + Sync>(
     window: usize,
     cancel: &CancellationToken,
 ) -> Result<SourcePosition> {
-    let window = Semaphore::new(window.max(1));
+    let window = Semaphore::new(window.min(transport.max_in_flight()).max(1));
+    // Fired by the signal, or by the acknowledger's failure: the reader
+    // stops at once, even inside a read (a large transaction may take
+    // minutes to arrive) and never hands over a batch after a failed one.
+    let stop = cancel.child_token();
     let (queue, acks) = tokio::sync::mpsc::unbounded_channel::<Sent<'_>>();
     // The newest position the acknowledger made durable, for the reader to
     // confirm to the source before its next read.
@@ -362,14 +366,12 @@ async fn pipeline<S: ChangeSource + Send, T: Transport + Sync>(
         &window,
         queue,
         &durable,
-        cancel,
+        &stop,
     );
     let (read, acked) = tokio::join!(reader, async {
         let r = acknowledge(markers, acks, &durable).await;
-        // The reader may wait for a slot: a failed acknowledger stops it
-        // (it also stops at its next hand-over, finding the queue gone).
         if r.is_err() {
-            window.close();
+            stop.cancel();
         }
         r
     });
@@ -406,8 +408,9 @@ struct Sent<'w> {
 }
 
 /// Reads, resolves and hands over batches while a slot of the window is
-/// free, queueing each for [`acknowledge`]. Ends on `cancel`, on an error,
-/// or when the window is closed (the acknowledger failed).
+/// free, queueing each for [`acknowledge`]. Ends on an error or on
+/// `cancel` (the signal, or the acknowledger's failure), also inside a read;
+/// a batch read when it fires is not handed over.
 #[allow(clippy::too_many_arguments)]
 async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
     source: &mut S,
@@ -423,13 +426,10 @@ async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
 ) -> Result<()> {
     let mut lower = from;
     let mut seq = 0u64;
+    let capacity = window.available_permits();
     while !cancel.is_cancelled() {
         let slot = tokio::select! {
-            s = window.acquire() => match s {
-                Ok(s) => s,
-                // Closed: the acknowledger stopped with an error.
-                Err(_) => break,
-            },
+            s = window.acquire() => s.expect("the window is never closed"),
             _ = cancel.cancelled() => break,
         };
         if let Some(p) = durable.lock().expect("durable position").take() {
@@ -441,8 +441,12 @@ async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
         };
         let t0 = Instant::now();
         let Some(upper) = batch.upper.filter(|u| *u > lower) else {
-            // A wait that found nothing new: caught up.
-            metrics::gauge!(m::SOURCE_LAG).set(0.0);
+            // A wait that found nothing new, and nothing is in flight (only
+            // this read's slot is taken): caught up. Otherwise the
+            // acknowledger sets the lag of what it acknowledges.
+            if window.available_permits() + 1 >= capacity {
+                metrics::gauge!(m::SOURCE_LAG).set(0.0);
+            }
             continue;
         };
         let record_count = batch.records.len();
@@ -455,6 +459,10 @@ async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
         } else {
             upper
         };
+        if cancel.is_cancelled() {
+            // Read, not handed over: the next start reads it again.
+            break;
+        }
         let ack = if !batch.records.is_empty() || pending_loss {
             seq += 1;
             let ack = transport
@@ -594,10 +602,12 @@ mod tests {
         SourcePosition::Pg(PgLsn(n))
     }
 
-    /// One transaction of one record per batch, positions 1, 2, 3, …
+    /// One transaction of one record per batch, positions 1, 2, 3, …;
+    /// from `stall_at` on, a read never ends (a long transaction arriving).
     #[derive(Default)]
     struct Scripted {
         confirmed: Vec<SourcePosition>,
+        stall_at: Option<u64>,
     }
 
     impl ChangeSource for Scripted {
@@ -619,6 +629,9 @@ mod tests {
             let SourcePosition::Pg(PgLsn(l)) = lower else {
                 unreachable!()
             };
+            if self.stall_at.is_some_and(|s| l >= s) {
+                std::future::pending::<()>().await;
+            }
             let upper = pos(l + 1);
             Ok(ReadBatch {
                 upper: Some(upper),
@@ -648,6 +661,8 @@ mod tests {
     #[derive(Clone, Default)]
     struct Held {
         acks: Arc<Mutex<Vec<(u64, Option<oneshot::Sender<Result<()>>>)>>>,
+        /// The transport's own bound on batches in flight (none when 0).
+        cap: usize,
     }
 
     impl Held {
@@ -662,6 +677,13 @@ mod tests {
     }
 
     impl Transport for Held {
+        fn max_in_flight(&self) -> usize {
+            if self.cap == 0 {
+                usize::MAX
+            } else {
+                self.cap
+            }
+        }
         async fn submit(&self, batch: Batch) -> skein_transporter::Result<Ack> {
             let (tx, rx) = oneshot::channel();
             self.acks.lock().unwrap().push((batch.seq, Some(tx)));
@@ -795,5 +817,53 @@ mod tests {
         // Batch 2 was acknowledged, but batch 1 before it was not.
         assert!(markers.0.lock().unwrap().is_empty());
         assert!(source.confirmed.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failed_ack_stops_a_reader_in_the_middle_of_a_read() {
+        let transport = Held::default();
+        let markers = Markers::default();
+        let cancel = CancellationToken::new();
+        let mut source = Scripted {
+            stall_at: Some(1),
+            ..Scripted::default()
+        };
+        let run = from_zero(&mut source, &transport, &markers, 2, &cancel);
+        let drive = async {
+            until("one batch in flight", || transport.submitted().len() == 1).await;
+            transport.ack(1, Err(Error::Decode("the applier is gone".into())));
+        };
+        let (result, ()) =
+            tokio::time::timeout(Duration::from_secs(10), async { tokio::join!(run, drive) })
+                .await
+                .expect("a reader inside a read kept the extractor from stopping");
+        let err = result.unwrap_err().to_string();
+        assert!(err.contains("the applier is gone"), "{err}");
+        assert_eq!(transport.submitted(), vec![1]);
+    }
+
+    #[tokio::test]
+    async fn a_transport_that_allows_one_batch_in_flight_gets_one() {
+        let transport = Held {
+            cap: 1,
+            ..Held::default()
+        };
+        let markers = Markers::default();
+        let cancel = CancellationToken::new();
+        let mut source = Scripted::default();
+        let run = from_zero(&mut source, &transport, &markers, 4, &cancel);
+        let drive = async {
+            until("one batch in flight", || transport.submitted().len() == 1).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(
+                transport.submitted(),
+                vec![1],
+                "read ahead past the transport's bound"
+            );
+            cancel.cancel();
+            transport.ack(1, Ok(()));
+        };
+        let (last, ()) = tokio::join!(run, drive);
+        assert_eq!(last.unwrap(), pos(1));
     }
 }

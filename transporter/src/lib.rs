@@ -104,6 +104,12 @@ pub trait Transport {
     /// Queues a batch and returns its acknowledgement.
     fn submit(&self, batch: Batch) -> impl Future<Output = Result<Ack>> + Send;
 
+    /// How many batches this transport may have unacknowledged at once,
+    /// whatever the config says.
+    fn max_in_flight(&self) -> usize {
+        usize::MAX
+    }
+
     /// Sends a batch and waits for its acknowledgement.
     fn send(&self, batch: Batch) -> impl Future<Output = Result<()>> + Send
     where

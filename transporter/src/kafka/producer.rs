@@ -69,6 +69,17 @@ impl KafkaTransport {
 }
 
 impl Transport for KafkaTransport {
+    /// One: batches over Kafka are not pipelined. A batch whose delivery
+    /// fails (a leader gone past `message.timeout.ms`) while a later batch
+    /// is written would leave a gap no applier sees: the later records move
+    /// the partition's progress, and the failed ones, re-sent after the
+    /// restart, fall below it and are dropped as applied. Until the
+    /// appliers detect such a gap, a batch is produced only after the one
+    /// before it was acknowledged.
+    fn max_in_flight(&self) -> usize {
+        1
+    }
+
     /// Produces every record (and, after a loss, a notice to every
     /// partition); the ack waits until the broker acknowledged all of them.
     async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
