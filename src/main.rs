@@ -7,15 +7,6 @@
 
 mod cmd;
 
-/// mimalloc instead of the system allocator: the appliers build and drop
-/// many small JSON values on several threads at once, and glibc's malloc
-/// spent a quarter of the pipeline's CPU time in `malloc`/`free` and chunk
-/// consolidation (perf, bench/run, issue 13). Not in this crate's unit
-/// tests, which link the fuzz helpers' counting allocator.
-#[cfg(not(test))]
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -30,3 +30,13 @@ pub use config::Config;
 pub use error::{Error, Result};
 pub use position::{ChangePosition, Dialect, PgLsn, SourcePosition, SqlServerLsn};
 pub use record::{ChangeRecord, Op, RootKey};
+
+/// mimalloc instead of the system allocator, in the skein binary (feature
+/// `mimalloc`): the appliers build and drop many small JSON values on
+/// several threads at once, and glibc's malloc spent a quarter of the
+/// pipeline's CPU time in `malloc`/`free` and chunk consolidation (perf,
+/// bench/run, issue 13). A build that links the fuzz helpers (tests) keeps
+/// their counting allocator: a program has one.
+#[cfg(all(feature = "mimalloc", not(feature = "fuzz"), not(test)))]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
