@@ -840,15 +840,12 @@ impl<S: Sidecar> Applier<S> {
             }
         }
         let mut ids = crate::identifiers::assign(&mut self.sidecar, wanted).await?;
-        let mut stored: HashMap<&str, Vec<String>> = HashMap::new();
-        for (ns, key) in &dangling {
-            stored.entry(ns).or_default().push(key.clone());
-        }
-        for (ns, keys) in stored {
-            for (k, g) in self.sidecar.identifiers(ns, &keys).await? {
-                ids.insert((ns.to_string(), k), g);
-            }
-        }
+        crate::identifiers::read_stored(
+            &mut self.sidecar,
+            dangling.iter().map(|(ns, key)| (ns.as_str(), key.as_str())),
+            &mut ids,
+        )
+        .await?;
         for (entity, i, ck, mut d, root) in decided {
             let (Some(h), c) = (self.hydrators.get(entity), &consolidated[i]) else {
                 continue;

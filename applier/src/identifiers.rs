@@ -565,7 +565,7 @@ pub async fn assign<S: Sidecar>(
     });
     wanted.dedup_by(|a, b| a.entity == b.entity && a.key == b.key);
     let mut ids = HashMap::new();
-    read(sidecar, &wanted, &mut ids).await?;
+    read_stored(sidecar, rows_of(&wanted), &mut ids).await?;
     let missing: Vec<IdentifierRow> = wanted
         .into_iter()
         .filter(|w| !ids.contains_key(&(w.entity.clone(), w.key.clone())))
@@ -580,7 +580,7 @@ pub async fn assign<S: Sidecar>(
         }
     }
     sidecar.insert_identifiers(&missing).await?;
-    read(sidecar, &missing, &mut ids).await?;
+    read_stored(sidecar, rows_of(&missing), &mut ids).await?;
     for m in &missing {
         if !ids.contains_key(&(m.entity.clone(), m.key.clone())) {
             let holders = sidecar
@@ -596,14 +596,16 @@ pub async fn assign<S: Sidecar>(
 }
 
 /// The stored identifiers of `rows`, per namespace, into `ids`.
-async fn read<S: Sidecar>(
+/// Adds to `ids` the stored identifier of each `(namespace, key)` that has
+/// one: a read per namespace.
+pub async fn read_stored<'a, S: Sidecar>(
     sidecar: &mut S,
-    rows: &[IdentifierRow],
+    keys: impl IntoIterator<Item = (&'a str, &'a str)>,
     ids: &mut HashMap<Wanted, String>,
 ) -> Result<()> {
     let mut by_ns: HashMap<&str, Vec<String>> = HashMap::new();
-    for r in rows {
-        by_ns.entry(&r.entity).or_default().push(r.key.clone());
+    for (ns, key) in keys {
+        by_ns.entry(ns).or_default().push(key.to_string());
     }
     for (ns, keys) in by_ns {
         for (k, g) in sidecar.identifiers(ns, &keys).await? {
@@ -611,6 +613,11 @@ async fn read<S: Sidecar>(
         }
     }
     Ok(())
+}
+
+/// The `(namespace, key)` of each row.
+fn rows_of(rows: &[IdentifierRow]) -> impl Iterator<Item = (&str, &str)> {
+    rows.iter().map(|r| (r.entity.as_str(), r.key.as_str()))
 }
 
 fn taken(ns: &str, global_id: &str, key: &str, holder: &str) -> Error {
