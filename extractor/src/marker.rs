@@ -112,6 +112,31 @@ pub struct SledMarkerStore {
     dir: PathBuf,
 }
 
+/// How long a busy sled lock is waited for. Our own `LOCK` file is held
+/// by then, so a busy sled lock can only be an earlier store of this
+/// process winding down: sled 0.34 drops its file lock only when its last
+/// background thread lets go of the page cache, shortly after `Db` is
+/// dropped (spacejam/sled#1234, #1289).
+const SLED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Opens the sled tree, waiting out a lock that an earlier store of this
+/// process has not let go of yet.
+fn open_sled(path: &Path) -> sled::Result<sled::Db> {
+    let started = std::time::Instant::now();
+    loop {
+        match sled::Config::new().path(path).open() {
+            // sled reports its busy lock as `Other` with this text.
+            Err(sled::Error::Io(e))
+                if e.to_string().starts_with("could not acquire lock")
+                    && started.elapsed() < SLED_LOCK_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 impl SledMarkerStore {
     /// Opens (creating) the store in `state_dir`, taking its lock.
     pub fn open(state_dir: &Path) -> Result<SledMarkerStore> {
@@ -132,7 +157,7 @@ impl SledMarkerStore {
         lock.try_lock().map_err(|_| Error::StateLocked {
             dir: state_dir.display().to_string(),
         })?;
-        let db = sled::open(state_dir.join("marker")).map_err(|e| Error::State {
+        let db = open_sled(&state_dir.join("marker")).map_err(|e| Error::State {
             dir: state_dir.display().to_string(),
             message: format!("cannot open the sled store: {e}"),
         })?;
@@ -275,6 +300,24 @@ mod tests {
         }
         let s = SledMarkerStore::open(&dir).unwrap();
         assert_eq!(s.load().unwrap().unwrap().position, PgLsn(5).into());
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Closing the store and opening it again at once (`marker reset`
+    /// after a run in one process, a test's second open) must not trip
+    /// over sled's own file lock while its threads wind down.
+    #[test]
+    fn the_store_opens_again_right_after_it_is_closed() {
+        let dir = std::env::temp_dir().join(format!("skein-marker-reopen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for p in 1..=200u64 {
+            let s = SledMarkerStore::open(&dir).unwrap_or_else(|e| panic!("open {p}: {e}"));
+            s.store(&m(p)).unwrap();
+            drop(s);
+        }
+        let s = SledMarkerStore::open(&dir).unwrap();
+        assert_eq!(s.load().unwrap().unwrap().position, PgLsn(200).into());
         drop(s);
         let _ = std::fs::remove_dir_all(&dir);
     }
