@@ -15,7 +15,7 @@ use tracing::{info, warn};
 
 use crate::decide::{consolidate, decide, decide_explicit, Action, Current};
 use crate::error::{Error, Result};
-use crate::event::{build_event, EventContext};
+use crate::event::{event_text, EventContext};
 use crate::fresh::{fresh, Fresh};
 use crate::hydrate::{EntityHydrator, Source};
 use crate::identifiers::{namespace, Plan, Wanted};
@@ -739,7 +739,9 @@ impl<S: Sidecar> Applier<S> {
         // aggregate's tables or in none, so every event is a state that
         // existed. The snapshot ends (commits or, after an error, rolls
         // back) before anything else can fail.
-        self.source.begin_snapshot(&batch.xids).await?;
+        self.source
+            .begin_snapshot(&batch.xids, consolidated.len())
+            .await?;
         let read = match self.follow_schema().await {
             Ok(()) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
             Err(e) => Err(e),
@@ -786,12 +788,14 @@ impl<S: Sidecar> Applier<S> {
                 HashMap::new()
             };
             let plan = self.plans.get(entity);
-            for ((i, cur), ck) in idxs.iter().zip(&current).zip(&canon) {
+            for ((i, mut cur), ck) in idxs.iter().zip(current).zip(&canon) {
                 let c = &consolidated[*i];
                 let delete = h.delete_payload(&c.key);
                 let d = match c.explicit {
-                    Some(republish) => decide_explicit(cur, stored.get(ck), &delete, republish),
-                    None => decide(c, cur, stored.get(ck), &delete),
+                    Some(republish) => {
+                        decide_explicit(&mut cur, stored.get(ck), &delete, republish)
+                    }
+                    None => decide(c, &mut cur, stored.get(ck), &delete),
                 };
                 let Some(d) = d else {
                     tally.entry(entity).or_default().1 += 1;
@@ -861,7 +865,7 @@ impl<S: Sidecar> Applier<S> {
                 plan.apply(&mut d.data, &ids, &dangling)?;
             }
             let id = uuid::Uuid::now_v7().to_string();
-            let ev = build_event(
+            let event = event_text(
                 &EventContext {
                     events: &self.cfg.events,
                     entity: h.entity(),
@@ -880,7 +884,7 @@ impl<S: Sidecar> Applier<S> {
                     entity: entity.to_string(),
                     key: ck.clone(),
                     etag: d.etag.clone(),
-                    event: ev.to_string(),
+                    event,
                     commit_time_micros: c.commit_time_micros,
                 },
             ));

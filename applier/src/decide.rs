@@ -104,8 +104,9 @@ pub enum Current {
     Present {
         /// Entity JSON (root columns, children nested).
         data: Value,
-        /// Entity JSON with `exclude_columns_from_etag` removed: the hash input.
-        etag_input: Value,
+        /// Entity JSON with `exclude_columns_from_etag` removed, the hash
+        /// input; `None` where nothing is excluded: `data` is the input.
+        etag_input: Option<Value>,
         /// The logical-delete column is true.
         is_deleted: bool,
     },
@@ -160,9 +161,13 @@ pub struct DeletePayload {
 ///   (it left the entity's set; no delete of the root will come), else nothing;
 /// * present → the first op decides create/update (create, too, when the
 ///   stored version is a delete); an etag equal to the stored one → nothing.
+///
+/// The data of an aggregate published as present moves from `current`
+/// into the decision (it is not copied): `current` holds `Value::Null` there
+/// afterwards.
 pub fn decide(
     c: &Consolidated,
-    current: &Current,
+    current: &mut Current,
     stored: Option<&Stored>,
     delete: &DeletePayload,
 ) -> Option<Decision> {
@@ -212,7 +217,7 @@ pub fn decide(
             etag_input,
             is_deleted: false,
         } => {
-            let tag = etag(etag_input);
+            let tag = etag(etag_input.as_ref().unwrap_or(data));
             if let Some(s) = stored {
                 if !s.is_deleted && s.etag.as_deref() == Some(tag.as_str()) {
                     return None;
@@ -229,7 +234,7 @@ pub fn decide(
             };
             Some(Decision {
                 action,
-                data: data.clone(),
+                data: std::mem::take(data),
                 etag: Some(tag),
             })
         }
@@ -253,8 +258,10 @@ fn as_change() -> Consolidated {
 /// * present with no version, or after a delete → **create**;
 /// * present and published → **update** when the etag changed, or always
 ///   with `republish`.
+///
+/// As [`decide`], the data of a present aggregate moves into the decision.
 pub fn decide_explicit(
-    current: &Current,
+    current: &mut Current,
     stored: Option<&Stored>,
     delete: &DeletePayload,
     republish: bool,
@@ -289,10 +296,11 @@ pub fn decide_explicit(
             else {
                 return None;
             };
+            let tag = etag(etag_input.as_ref().unwrap_or(data));
             Some(Decision {
                 action: Action::Updated,
-                data: data.clone(),
-                etag: Some(etag(etag_input)),
+                data: std::mem::take(data),
+                etag: Some(tag),
             })
         }
         (None, _) => None,
@@ -323,10 +331,30 @@ mod tests {
 
     fn present(v: Value) -> Current {
         Current::Present {
-            data: v.clone(),
-            etag_input: v,
+            data: v,
+            etag_input: None,
             is_deleted: false,
         }
+    }
+
+    /// [`decide`] on a copy of `cur`, which stays as it is.
+    fn decide_ref(
+        c: &Consolidated,
+        cur: &Current,
+        st: Option<&Stored>,
+        p: &DeletePayload,
+    ) -> Option<Decision> {
+        decide(c, &mut cur.clone(), st, p)
+    }
+
+    /// [`decide_explicit`] on a copy of `cur`.
+    fn explicit_ref(
+        cur: &Current,
+        st: Option<&Stored>,
+        p: &DeletePayload,
+        republish: bool,
+    ) -> Option<Decision> {
+        decide_explicit(&mut cur.clone(), st, p, republish)
     }
 
     fn payload() -> DeletePayload {
@@ -374,15 +402,15 @@ mod tests {
         let c = one(&[Op::Update, Op::Insert]);
         assert!(c.has_insert);
         let now = present(json!({"id": 1, "name": "a"}));
-        let d = decide(&c, &now, None, &payload()).unwrap();
+        let d = decide_ref(&c, &now, None, &payload()).unwrap();
         assert_eq!(d.action, Action::Created);
         let live = Stored {
             etag: Some("other".into()),
             is_deleted: false,
         };
-        let d = decide(&c, &now, Some(&live), &payload()).unwrap();
+        let d = decide_ref(&c, &now, Some(&live), &payload()).unwrap();
         assert_eq!(d.action, Action::Updated);
-        let d = decide(&one(&[Op::Update]), &now, None, &payload()).unwrap();
+        let d = decide_ref(&one(&[Op::Update]), &now, None, &payload()).unwrap();
         assert_eq!(d.action, Action::Updated, "no insert seen: an update");
     }
 
@@ -395,7 +423,7 @@ mod tests {
             etag: Some(etag(&json!({"id": 1}))),
             is_deleted: false,
         };
-        let gone = decide(
+        let gone = decide_ref(
             &one(&[Op::Truncate]),
             &Current::Missing,
             Some(&stored),
@@ -404,7 +432,7 @@ mod tests {
         assert_eq!(gone.unwrap().action, Action::Deleted);
         let same = present(json!({"id": 1}));
         assert_eq!(
-            decide(
+            decide_ref(
                 &one(&[Op::Truncate, Op::Insert]),
                 &same,
                 Some(&stored),
@@ -412,7 +440,7 @@ mod tests {
             ),
             None
         );
-        let changed = decide(
+        let changed = decide_ref(
             &one(&[Op::Truncate, Op::Insert]),
             &present(json!({"id": 1, "n": 2})),
             Some(&stored),
@@ -423,7 +451,7 @@ mod tests {
 
     #[test]
     fn update_then_delete_publishes_delete() {
-        let d = decide(
+        let d = decide_ref(
             &one(&[Op::Update, Op::Delete]),
             &Current::Missing,
             None,
@@ -437,7 +465,7 @@ mod tests {
 
     #[test]
     fn create_update_then_delete_publishes_one_delete() {
-        let d = decide(
+        let d = decide_ref(
             &one(&[Op::Insert, Op::Update, Op::Delete]),
             &Current::Missing,
             None,
@@ -449,7 +477,7 @@ mod tests {
     #[test]
     fn create_update_with_upcoming_delete_publishes_nothing() {
         assert_eq!(
-            decide(
+            decide_ref(
                 &one(&[Op::Insert, Op::Update]),
                 &Current::Missing,
                 None,
@@ -461,7 +489,7 @@ mod tests {
 
     #[test]
     fn multiple_changes_publish_one_create() {
-        let d = decide(
+        let d = decide_ref(
             &one(&[Op::Insert, Op::Update, Op::Update]),
             &present(json!({"id": 1})),
             None,
@@ -475,19 +503,19 @@ mod tests {
     #[test]
     fn same_version_publishes_nothing_and_changed_version_updates() {
         let cur = present(json!({"id": 1, "name": "a"}));
-        let Current::Present { etag_input, .. } = &cur else {
+        let Current::Present { data, .. } = &cur else {
             unreachable!()
         };
         let stored = Stored {
-            etag: Some(etag(etag_input)),
+            etag: Some(etag(data)),
             is_deleted: false,
         };
         assert_eq!(
-            decide(&one(&[Op::Update]), &cur, Some(&stored), &payload()),
+            decide_ref(&one(&[Op::Update]), &cur, Some(&stored), &payload()),
             None
         );
         let changed = present(json!({"id": 1, "name": "b"}));
-        let d = decide(&one(&[Op::Update]), &changed, Some(&stored), &payload()).unwrap();
+        let d = decide_ref(&one(&[Op::Update]), &changed, Some(&stored), &payload()).unwrap();
         assert_eq!(d.action, Action::Updated);
     }
 
@@ -497,7 +525,7 @@ mod tests {
             etag: None,
             is_deleted: true,
         };
-        let d = decide(
+        let d = decide_ref(
             &one(&[Op::Update]),
             &present(json!({"id": 1})),
             Some(&stored),
@@ -506,7 +534,7 @@ mod tests {
         .unwrap();
         assert_eq!(d.action, Action::Created);
         assert_eq!(
-            decide(
+            decide_ref(
                 &one(&[Op::Delete]),
                 &Current::Missing,
                 Some(&stored),
@@ -529,7 +557,7 @@ mod tests {
             is_deleted: true,
         };
         let act = |ops: &[Op], st: Option<&Stored>| {
-            decide(&one(ops), &Current::Excluded, st, &payload()).map(|d| (d.action, d.data))
+            decide_ref(&one(ops), &Current::Excluded, st, &payload()).map(|d| (d.action, d.data))
         };
         assert_eq!(
             act(&[Op::Update], Some(&live)),
@@ -544,10 +572,10 @@ mod tests {
     fn logical_delete_keeps_key_and_included_columns() {
         let cur = Current::Present {
             data: json!({"id": 1, "name": "a", "email": "x"}),
-            etag_input: json!({}),
+            etag_input: Some(json!({})),
             is_deleted: true,
         };
-        let d = decide(&one(&[Op::Update]), &cur, None, &payload()).unwrap();
+        let d = decide_ref(&one(&[Op::Update]), &cur, None, &payload()).unwrap();
         assert_eq!(d.action, Action::Deleted);
         assert_eq!(d.data, json!({"id": 1, "name": "a"}));
     }
@@ -570,11 +598,11 @@ mod tests {
         };
         let p = payload();
         let act = |cur: &Current, st: Option<&Stored>, rep: bool| {
-            decide_explicit(cur, st, &p, rep).map(|d| d.action)
+            explicit_ref(cur, st, &p, rep).map(|d| d.action)
         };
         let logically_deleted = Current::Present {
             data: v.clone(),
-            etag_input: v.clone(),
+            etag_input: None,
             is_deleted: true,
         };
         // Present.
@@ -603,9 +631,9 @@ mod tests {
             assert_eq!(act(cur, Some(&gone), true), Some(Action::Deleted));
         }
         // A republish carries the same etag; a delete none.
-        let d = decide_explicit(&present(v.clone()), Some(&live), &p, true).unwrap();
+        let d = explicit_ref(&present(v.clone()), Some(&live), &p, true).unwrap();
         assert_eq!(d.etag, live.etag);
-        let d = decide_explicit(&Current::Missing, Some(&live), &p, false).unwrap();
+        let d = explicit_ref(&Current::Missing, Some(&live), &p, false).unwrap();
         assert_eq!((d.etag, d.data), (None, json!({"id": 1})));
     }
 }

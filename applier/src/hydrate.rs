@@ -41,6 +41,8 @@ pub enum Source {
         /// Every table of the config, `(schema, table)`: locked in each
         /// snapshot, their catalog read in it.
         tables: Vec<(String, String)>,
+        /// The statements every batch runs, prepared once.
+        statements: Box<crate::Statements>,
     },
     /// SQL Server (boxed: the TDS client carries its buffers).
     SqlServer(Box<MssqlClient>),
@@ -48,6 +50,25 @@ pub enum Source {
 
 /// Opens the snapshot a batch's hydration reads in.
 pub const BEGIN_SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
+
+/// Up to this many keys a batch's hydration queries run on the generic
+/// plans of their prepared statements; above it each is planned for its
+/// keys. A generic plan counts an array parameter's `unnest` as 100 rows
+/// and joins by index, which is right for a few keys and saves planning
+/// the queries in every small batch (the live case: more than half of a
+/// small batch's time on a 2-core machine); a custom plan sees the array's length and joins a
+/// backlog batch's thousands of keys by hash, in half the time.
+pub const GENERIC_PLAN_KEYS: usize = 100;
+
+/// The plan choice of a snapshot hydrating `keys` root keys
+/// ([`GENERIC_PLAN_KEYS`]), for the snapshot's transaction only.
+pub fn plan_mode_sql(keys: usize) -> &'static str {
+    if keys <= GENERIC_PLAN_KEYS {
+        "SET LOCAL plan_cache_mode = force_generic_plan"
+    } else {
+        "SET LOCAL plan_cache_mode = force_custom_plan"
+    }
+}
 
 /// How long a batch waits for its source transactions to become visible
 /// before it fails (and is retried by a restart).
@@ -84,6 +105,7 @@ impl Source {
                     client,
                     in_snapshot: false,
                     tables: cfg.tables(),
+                    statements: Box::default(),
                 })
             }
             config::Source::SqlServer(ms) => Ok(Source::SqlServer(Box::new(
@@ -229,15 +251,19 @@ impl Source {
     /// taken again, after a pause, until it sees them all. SQL Server:
     /// nothing yet — each table is read by its own statement at the
     /// database's isolation level (the README says what that gives).
-    pub async fn begin_snapshot(&mut self, xids: &[u64]) -> Result<()> {
+    ///
+    /// `keys`, the number of root keys the snapshot will hydrate, chooses
+    /// how its queries are planned ([`plan_mode_sql`]).
+    pub async fn begin_snapshot(&mut self, xids: &[u64], keys: usize) -> Result<()> {
         match self {
             Source::Postgres {
                 client,
                 in_snapshot,
                 tables,
+                statements,
             } => {
                 let xids: Vec<i64> = xids.iter().map(|x| *x as i64).collect();
-                let lock = lock_tables_sql(tables);
+                let lock = format!("{}; {}", plan_mode_sql(keys), lock_tables_sql(tables));
                 let started = Instant::now();
                 let mut pause = Duration::from_millis(5);
                 loop {
@@ -277,10 +303,15 @@ impl Source {
                         return Ok(());
                     }
                     // The first statement: it takes the snapshot it checks.
-                    let unseen: Vec<i64> = client
-                        .query_one(UNSEEN_XIDS_SQL, &[&xids, &None::<String>, &None::<String>])
+                    let what = "checking the snapshot sees the batch's transactions";
+                    let unseen = statements
+                        .get(client, UNSEEN_XIDS_SQL)
                         .await
-                        .map_err(db("checking the snapshot sees the batch's transactions"))?
+                        .map_err(db(what))?;
+                    let unseen: Vec<i64> = client
+                        .query_one(&unseen, &[&xids, &None::<String>, &None::<String>])
+                        .await
+                        .map_err(db(what))?
                         .get(0);
                     if unseen.is_empty() {
                         return Ok(());
@@ -321,10 +352,22 @@ impl Source {
     /// reads the new catalog). Always `Some` today.
     pub async fn catalog(&mut self, tables: &[(String, String)]) -> Result<Option<Catalog>> {
         match self {
-            Source::Postgres { client, tables, .. } => read_catalog(client, tables)
-                .await
-                .map(Some)
-                .map_err(db("reading the catalog in the hydration snapshot")),
+            Source::Postgres {
+                client,
+                tables,
+                statements,
+                ..
+            } => {
+                let what = "reading the catalog in the hydration snapshot";
+                let query = statements
+                    .get(client, skein_sql::postgres::CATALOG_QUERY)
+                    .await
+                    .map_err(db(what))?;
+                read_catalog(client, &query, tables)
+                    .await
+                    .map(Some)
+                    .map_err(db(what))
+            }
             Source::SqlServer(client) => Ok(Some(
                 skein_sql::sqlserver::read_catalog(client, tables).await?,
             )),
@@ -335,9 +378,11 @@ impl Source {
     /// start-up checks of tables the config names but does not read).
     pub async fn catalog_of(&mut self, tables: &[(String, String)]) -> Result<Catalog> {
         match self {
-            Source::Postgres { client, .. } => read_catalog(client, tables)
-                .await
-                .map_err(db("reading the catalog of the mapped tables")),
+            Source::Postgres { client, .. } => {
+                read_catalog(client, skein_sql::postgres::CATALOG_QUERY, tables)
+                    .await
+                    .map_err(db("reading the catalog of the mapped tables"))
+            }
             Source::SqlServer(client) => {
                 Ok(skein_sql::sqlserver::read_catalog(client, tables).await?)
             }
@@ -376,6 +421,39 @@ pub struct EntityHydrator {
     shapes: Vec<(Vec<String>, Vec<String>)>,
     root_key: Vec<String>,
     root_key_types: Vec<String>,
+    /// Per node: it or a node below it excludes columns from the etag, so
+    /// its rows carry a hash input apart from their data.
+    etag_apart: Vec<bool>,
+}
+
+/// Per node of `nodes`: whether it or a node below it has
+/// `exclude_columns_from_etag` (a child's index is above its parent's).
+fn etag_apart(nodes: &[TableNode]) -> Vec<bool> {
+    let mut apart: Vec<bool> = nodes
+        .iter()
+        .map(|n| !n.exclude_columns_from_etag.is_empty())
+        .collect();
+    for i in (1..nodes.len()).rev() {
+        if apart[i] {
+            apart[nodes[i].parent.unwrap_or(0)] = true;
+        }
+    }
+    apart
+}
+
+/// A row's hash input when it is kept apart from its data: the data
+/// without the node's `exclude_columns_from_etag`.
+fn etag_part(apart: bool, data: &Value, exclude: &[String]) -> Option<Value> {
+    if !apart {
+        return None;
+    }
+    let mut input = data.clone();
+    if let Value::Object(m) = &mut input {
+        for c in exclude {
+            m.remove(c);
+        }
+    }
+    Some(input)
 }
 
 /// One hydrated row of a node.
@@ -384,7 +462,8 @@ struct Row {
     link: Vec<Option<String>>,
     refs: HashMap<String, Option<String>>,
     data: Value,
-    etag_input: Value,
+    /// The hash input where it is not `data` ([`etag_part`]).
+    etag_input: Option<Value>,
     is_deleted: bool,
     /// An `inner` lookup join of this row found no row: it is left out.
     excluded: bool,
@@ -425,6 +504,7 @@ impl EntityHydrator {
             .collect();
         EntityHydrator {
             entity: entity.clone(),
+            etag_apart: etag_apart(&nodes),
             nodes,
             sql,
             dialect,
@@ -471,7 +551,9 @@ impl EntityHydrator {
             )));
         }
         match source {
-            Source::Postgres { client, .. } => self.hydrate_pg(client, keys).await,
+            Source::Postgres {
+                client, statements, ..
+            } => self.hydrate_pg(client, statements, keys).await,
             Source::SqlServer(client) => self.hydrate_mssql(client, keys).await,
         }
     }
@@ -566,15 +648,10 @@ impl EntityHydrator {
                 _ => false,
             };
             let data = Value::Object(m);
-            let mut etag_input = data.clone();
-            if let Value::Object(m) = &mut etag_input {
-                for c in &node.exclude_columns_from_etag {
-                    m.remove(c);
-                }
-            }
+            let etag_input = etag_part(self.etag_apart[i], &data, &node.exclude_columns_from_etag);
             (data, etag_input, is_deleted)
         } else {
-            (Value::Null, Value::Null, false)
+            (Value::Null, None, false)
         };
         Ok(Row {
             ord,
@@ -590,6 +667,7 @@ impl EntityHydrator {
     async fn hydrate_pg(
         &self,
         client: &tokio_postgres::Client,
+        statements: &mut crate::Statements,
         keys: &[RootKey],
     ) -> Result<Vec<Current>> {
         let arrays = key_arrays(keys, self.root_key.len());
@@ -600,10 +678,9 @@ impl EntityHydrator {
                 // Tests stall here to commit a change between two tables' reads.
                 failpoint("applier.hydrate.between_tables");
             }
-            let rows = client
-                .query(sql.as_str(), &params)
-                .await
-                .map_err(db(format!("hydrating {}", self.nodes[i].qualified())))?;
+            let what = || format!("hydrating {}", self.nodes[i].qualified());
+            let query = statements.get(client, sql).await.map_err(db(what()))?;
+            let rows = client.query(&query, &params).await.map_err(db(what()))?;
             let mut out = Vec::with_capacity(rows.len());
             for r in rows {
                 let link: String = r.get(1);
@@ -626,12 +703,11 @@ impl EntityHydrator {
                     Some(d) => parse(&d, "row")?,
                     None => Value::Null,
                 };
-                let mut etag_input = data.clone();
-                if let Value::Object(m) = &mut etag_input {
-                    for c in &self.nodes[i].exclude_columns_from_etag {
-                        m.remove(c);
-                    }
-                }
+                let etag_input = etag_part(
+                    self.etag_apart[i],
+                    &data,
+                    &self.nodes[i].exclude_columns_from_etag,
+                );
                 out.push(Row {
                     ord: r.get(0),
                     link,
@@ -672,13 +748,14 @@ fn as_params(arrays: &[Vec<Option<String>>]) -> Vec<&(dyn tokio_postgres::types:
 /// join leaves it out: a child drops out of its parent, a root is
 /// [`Current::Excluded`].
 fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) -> Vec<Current> {
+    // (root ordinal, join values): a parent row's link to its children.
+    type Link = (i64, Vec<Option<String>>);
     for i in (1..nodes.len()).rev() {
         let child = &nodes[i];
         let parent = child.parent.unwrap_or(0);
         let rows = std::mem::take(&mut per_node[i]);
-        // (root ordinal, join values) → that parent's children as (data, etag input)
-        type Children = HashMap<(i64, Vec<Option<String>>), Vec<(Value, Value)>>;
-        let mut by_link: Children = HashMap::new();
+        // link → that parent's children as (data, etag input apart)
+        let mut by_link: HashMap<Link, Vec<(Value, Option<Value>)>> = HashMap::new();
         for r in rows.into_iter().filter(|r| !r.excluded) {
             by_link
                 .entry((r.ord, r.link))
@@ -686,32 +763,61 @@ fn assemble(nodes: &[TableNode], mut per_node: Vec<Vec<Row>>, key_count: usize) 
                 .push((r.data, r.etag_input));
         }
         let ref_cols: Vec<&str> = child.on.iter().map(|o| o.to_column.as_str()).collect();
-        for prow in per_node[parent].iter_mut() {
+        let link_of = |prow: &Row| -> Option<Link> {
             if prow.data.is_null() || prow.excluded {
-                continue;
+                return None;
             }
-            let link: Vec<Option<String>> = ref_cols
+            let values = ref_cols
                 .iter()
                 .map(|c| prow.refs.get(*c).cloned().flatten())
                 .collect();
-            let kids = by_link.get(&(prow.ord, link)).cloned().unwrap_or_default();
+            Some((prow.ord, values))
+        };
+        // How many parents take each link's rows: a lookup row can serve
+        // several (two addresses in one region). The last of them takes the
+        // rows; the others take a copy.
+        let mut takers: HashMap<Link, usize> = HashMap::new();
+        for prow in &per_node[parent] {
+            if let Some(l) = link_of(prow) {
+                *takers.entry(l).or_default() += 1;
+            }
+        }
+        for prow in per_node[parent].iter_mut() {
+            let Some(link) = link_of(prow) else {
+                continue;
+            };
+            let left = takers.get_mut(&link).expect("counted above");
+            *left -= 1;
+            let kids = if *left == 0 {
+                by_link.remove(&link)
+            } else {
+                by_link.get(&link).cloned()
+            }
+            .unwrap_or_default();
             if kids.is_empty() && child.join_type == JoinType::Inner {
                 prow.excluded = true;
                 continue;
             }
-            let (data, etag): (Vec<Value>, Vec<Value>) = kids.into_iter().unzip();
-            let (dv, ev) = match child.cardinality {
-                Cardinality::OneToMany => (Value::Array(data), Value::Array(etag)),
-                Cardinality::OneToOne => (
-                    data.into_iter().next().unwrap_or(Value::Null),
-                    etag.into_iter().next().unwrap_or(Value::Null),
-                ),
+            // A parent keeps its hash input apart when a node below it
+            // does ([`etag_apart`]); a child with none apart gives its data.
+            let apart = prow.etag_input.is_some();
+            let mut etags = Vec::with_capacity(if apart { kids.len() } else { 0 });
+            let mut data = Vec::with_capacity(kids.len());
+            for (d, e) in kids {
+                if apart {
+                    etags.push(e.unwrap_or_else(|| d.clone()));
+                }
+                data.push(d);
+            }
+            let nest = |values: Vec<Value>| match child.cardinality {
+                Cardinality::OneToMany => Value::Array(values),
+                Cardinality::OneToOne => values.into_iter().next().unwrap_or(Value::Null),
             };
             if let Value::Object(m) = &mut prow.data {
-                m.insert(child.name.clone(), dv);
+                m.insert(child.name.clone(), nest(data));
             }
-            if let Value::Object(m) = &mut prow.etag_input {
-                m.insert(child.name.clone(), ev);
+            if let Some(Value::Object(m)) = &mut prow.etag_input {
+                m.insert(child.name.clone(), nest(etags));
             }
         }
     }
@@ -773,7 +879,7 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), Some(v.to_string())))
                 .collect(),
-            etag_input: data.clone(),
+            etag_input: None,
             data,
             is_deleted: false,
             excluded: false,
@@ -863,6 +969,94 @@ mod tests {
         );
         assert_eq!(out[1], Current::Excluded, "no vip row: {out:?}");
         assert_eq!(out[2], Current::Missing);
+    }
+
+    /// A lookup row two parents share is nested under both (taken by the
+    /// last, copied for the others).
+    #[test]
+    fn a_lookup_row_shared_by_two_parents_is_nested_under_both() {
+        let nodes = customer_nodes(
+            r#"
+      - { name: addresses, table: address, on: [{ name: customer_id, to_column: id }] }
+      - { name: region, table: region, join_to: addresses, cardinality: one_to_one,
+          on: [{ name: id, to_column: region_id }] }
+"#,
+        );
+        let per_node = vec![
+            vec![row(1, &[], &[("id", "1")], json!({"id": 1}))],
+            vec![
+                row(1, &["1"], &[("region_id", "7")], json!({"id": 10})),
+                row(1, &["1"], &[("region_id", "7")], json!({"id": 11})),
+                row(1, &["1"], &[("region_id", "8")], json!({"id": 12})),
+            ],
+            vec![row(1, &["7"], &[], json!({"name": "north"}))],
+        ];
+        let out = assemble(&nodes, per_node, 1);
+        let Current::Present { data, .. } = &out[0] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            data,
+            &json!({"id": 1, "addresses": [
+                {"id": 10, "region": {"name": "north"}},
+                {"id": 11, "region": {"name": "north"}},
+                {"id": 12, "region": null}]})
+        );
+    }
+
+    /// Only the nodes on the way to one that excludes columns from the
+    /// etag keep a hash input apart from their data; a child without one
+    /// gives its data as its input.
+    #[test]
+    fn the_hash_input_differs_from_the_data_only_where_columns_are_excluded() {
+        let nodes = customer_nodes(
+            r#"
+      - { name: addresses, table: address, on: [{ name: customer_id, to_column: id }] }
+      - { name: contacts, table: contact, exclude_columns_from_etag: [seen], on: [{ name: customer_id, to_column: id }] }
+"#,
+        );
+        assert_eq!(etag_apart(&nodes), vec![true, false, true]);
+        let apart = |r: Row, input: Value| Row {
+            etag_input: Some(input),
+            ..r
+        };
+        let per_node = vec![
+            vec![apart(
+                row(1, &[], &[("id", "1")], json!({"id": 1})),
+                json!({"id": 1}),
+            )],
+            vec![row(1, &["1"], &[], json!({"id": 10}))],
+            vec![apart(
+                row(1, &["1"], &[], json!({"id": 20, "seen": 5})),
+                json!({"id": 20}),
+            )],
+        ];
+        let out = assemble(&nodes, per_node, 1);
+        let Current::Present {
+            data, etag_input, ..
+        } = &out[0]
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            data,
+            &json!({"id": 1, "addresses": [{"id": 10}], "contacts": [{"id": 20, "seen": 5}]})
+        );
+        assert_eq!(
+            etag_input,
+            &Some(json!({"id": 1, "addresses": [{"id": 10}], "contacts": [{"id": 20}]}))
+        );
+        let plain = customer_nodes(
+            "      - { name: addresses, table: address, on: [{ name: customer_id, to_column: id }] }\n",
+        );
+        assert_eq!(etag_apart(&plain), vec![false, false]);
+    }
+
+    #[test]
+    fn small_batches_run_generic_plans_and_large_ones_their_own() {
+        assert!(plan_mode_sql(1).ends_with("force_generic_plan"));
+        assert!(plan_mode_sql(GENERIC_PLAN_KEYS).ends_with("force_generic_plan"));
+        assert!(plan_mode_sql(GENERIC_PLAN_KEYS + 1).ends_with("force_custom_plan"));
     }
 
     #[test]

@@ -50,3 +50,37 @@ pub(crate) async fn connect_postgres(
         .await
         .map_err(connect_err)
 }
+
+/// The prepared statements of one PostgreSQL connection, by their text:
+/// a statement the applier runs in every batch (hydration, versions, the
+/// batch commit) is parsed and analysed by the server once per
+/// connection, not once per batch, and each execution is one round trip
+/// instead of two. Statements are the connection's: a new connection
+/// starts a new cache. Every statement here returns columns of fixed types
+/// (hydration builds its rows' JSON in the query), so a schema change
+/// re-plans them on the server and never changes what they return.
+#[derive(Default)]
+pub struct Statements(std::collections::HashMap<String, tokio_postgres::Statement>);
+
+/// More distinct texts than any config gives (a statement per table and
+/// per sidecar step): past it the cache starts again rather than grow.
+const MAX_STATEMENTS: usize = 512;
+
+impl Statements {
+    /// The prepared statement of `sql` on `client`'s connection.
+    pub async fn get<C: tokio_postgres::GenericClient + Sync>(
+        &mut self,
+        client: &C,
+        sql: &str,
+    ) -> std::result::Result<tokio_postgres::Statement, tokio_postgres::Error> {
+        if let Some(s) = self.0.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = client.prepare(sql).await?;
+        if self.0.len() >= MAX_STATEMENTS {
+            self.0.clear();
+        }
+        self.0.insert(sql.to_string(), s.clone());
+        Ok(s)
+    }
+}

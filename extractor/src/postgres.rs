@@ -41,7 +41,8 @@ pub async fn connect(url: &Secret, what: &'static str) -> Result<tokio_postgres:
 pub async fn load_catalog(client: &tokio_postgres::Client, cfg: &Config) -> Result<Catalog> {
     // Each table once: a table in two entities would otherwise list its
     // columns (and key) twice.
-    skein_sql::postgres::catalog::read_catalog(client, &cfg.tables())
+    use skein_sql::postgres::{catalog::read_catalog, CATALOG_QUERY};
+    read_catalog(client, CATALOG_QUERY, &cfg.tables())
         .await
         .map_err(src("reading the catalog"))
 }

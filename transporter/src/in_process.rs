@@ -74,17 +74,19 @@ impl InProcess {
     }
 }
 
-/// Splits a batch into per-partition batches by the frozen key hash.
-pub fn split(batch: &Batch, partitions: u32) -> Vec<Batch> {
+/// Splits a batch into per-partition batches by the frozen key hash; the
+/// records move, they are not copied.
+pub fn split(mut batch: Batch, partitions: u32) -> Vec<Batch> {
+    let records = std::mem::take(&mut batch.records);
     let mut parts: Vec<Batch> = (0..partitions)
         .map(|_| Batch {
-            records: vec![],
+            records: Vec::with_capacity(records.len() / partitions.max(1) as usize + 1),
             ..batch.clone_header()
         })
         .collect();
-    for r in &batch.records {
+    for r in records {
         let p = r.partition(partitions) as usize;
-        parts[p].records.push(r.clone());
+        parts[p].records.push(r);
     }
     parts
 }
@@ -103,7 +105,7 @@ impl Batch {
 
 impl Transport for InProcess {
     async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
-        let parts = split(&batch, self.partitions());
+        let parts = split(batch, self.partitions());
         // Sent and not yet acknowledged, whatever way this ends.
         let lag = InFlight::new(&parts);
         let mut waits = vec![];
@@ -373,7 +375,7 @@ mod tests {
             has_data_loss: false,
             records,
         };
-        let parts = split(&b, 4);
+        let parts = split(b, 4);
         assert_eq!(parts.iter().map(|p| p.records.len()).sum::<usize>(), 200);
         for p in &parts {
             assert_eq!(p.upper, SourcePosition::Pg(PgLsn(100)));

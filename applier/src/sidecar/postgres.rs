@@ -23,6 +23,8 @@ use crate::sink::{Sink, SinkEvent};
 pub struct PgSidecar {
     client: tokio_postgres::Client,
     schema: String,
+    /// The statements of every batch (versions, the commit's), prepared once.
+    statements: Box<crate::Statements>,
 }
 
 impl PgSidecar {
@@ -32,6 +34,7 @@ impl PgSidecar {
         Ok(PgSidecar {
             client,
             schema: schema.to_string(),
+            statements: Box::default(),
         })
     }
 
@@ -203,9 +206,14 @@ impl Sidecar for PgSidecar {
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
+        let query = self
+            .statements
+            .get(&self.client, &sc::versions_sql(&self.schema))
+            .await
+            .map_err(db("reading versions"))?;
         let rows = self
             .client
-            .query(&sc::versions_sql(&self.schema), &[&entity, &keys])
+            .query(&query, &[&entity, &keys])
             .await
             .map_err(db("reading versions"))?;
         Ok(rows
@@ -241,9 +249,13 @@ impl Sidecar for PgSidecar {
 
     /// Read top to bottom: fence, batch row, outbox, versions, commit.
     async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
-        let s = self.schema.as_str();
-        let tx = self
-            .client
+        let PgSidecar {
+            client,
+            schema,
+            statements,
+        } = self;
+        let s = schema.as_str();
+        let tx = client
             .transaction()
             .await
             .map_err(db("beginning the batch transaction"))?;
@@ -276,7 +288,10 @@ impl Sidecar for PgSidecar {
             }
             Some(expected) => tx
                 .execute(
-                    &sc::advance_progress_sql(s),
+                    &statements
+                        .get(&tx, &sc::advance_progress_sql(s))
+                        .await
+                        .map_err(db("advancing progress"))?,
                     &[
                         &b.group,
                         &b.topic,
@@ -331,9 +346,13 @@ impl Sidecar for PgSidecar {
         }
 
         // 2. The batch row: its correlation id is in every event of the batch.
+        let batch_insert = statements
+            .get(&tx, &sc::batch_insert_sql(s))
+            .await
+            .map_err(db("inserting the batch row"))?;
         let batch_id: i64 = tx
             .query_one(
-                &sc::batch_insert_sql(s),
+                &batch_insert,
                 &[
                     &b.correlation_id,
                     &b.group,
@@ -355,6 +374,10 @@ impl Sidecar for PgSidecar {
         // 3. Outbox rows, in decision order (ids keep per-aggregate order),
         // in statements of bounded size: one array parameter of a large
         // batch's events could pass PostgreSQL's 1 GB limit.
+        let outbox_insert = statements
+            .get(&tx, &sc::outbox_insert_sql(s))
+            .await
+            .map_err(db("inserting outbox rows"))?;
         for part in bounded_parts(&b.outbox, |o| o.event.len()) {
             let ids: Vec<&str> = part.iter().map(|o| o.event_id.as_str()).collect();
             let entities: Vec<&str> = part.iter().map(|o| o.entity.as_str()).collect();
@@ -363,7 +386,7 @@ impl Sidecar for PgSidecar {
             let events: Vec<&str> = part.iter().map(|o| o.event.as_str()).collect();
             let times: Vec<i64> = part.iter().map(|o| o.commit_time_micros).collect();
             tx.execute(
-                &sc::outbox_insert_sql(s),
+                &outbox_insert,
                 &[
                     &batch_id, &partition, &ids, &entities, &keys, &etags, &events, &times,
                 ],
@@ -373,17 +396,18 @@ impl Sidecar for PgSidecar {
         }
 
         // 4. Versions.
+        let versions_upsert = statements
+            .get(&tx, &sc::versions_upsert_sql(s))
+            .await
+            .map_err(db("upserting versions"))?;
         for part in bounded_parts(&b.versions, |v| v.key.len()) {
             let entities: Vec<&str> = part.iter().map(|v| v.entity.as_str()).collect();
             let keys: Vec<&str> = part.iter().map(|v| v.key.as_str()).collect();
             let etags: Vec<Option<&str>> = part.iter().map(|v| v.etag.as_deref()).collect();
             let deleted: Vec<bool> = part.iter().map(|v| v.is_deleted).collect();
-            tx.execute(
-                &sc::versions_upsert_sql(s),
-                &[&entities, &keys, &etags, &deleted],
-            )
-            .await
-            .map_err(db("upserting versions"))?;
+            tx.execute(&versions_upsert, &[&entities, &keys, &etags, &deleted])
+                .await
+                .map_err(db("upserting versions"))?;
         }
 
         // 5. Explicit keys published by this batch leave the queue.

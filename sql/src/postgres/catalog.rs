@@ -7,17 +7,20 @@ use std::collections::HashMap;
 use crate::catalog::{Catalog, ColumnInfo, TableInfo};
 
 /// Reads the catalog of `tables` (`(schema, table)`, each once) with
-/// [`super::CATALOG_QUERY`]; a table that does not exist is simply absent.
+/// `query`: [`super::CATALOG_QUERY`], as text or prepared from it; a table
+/// that does not exist is simply absent.
 /// Inside a transaction it reads the catalog as that snapshot sees it.
-pub async fn read_catalog(
+pub async fn read_catalog<Q>(
     client: &tokio_postgres::Client,
+    query: &Q,
     tables: &[(String, String)],
-) -> Result<Catalog, tokio_postgres::Error> {
+) -> Result<Catalog, tokio_postgres::Error>
+where
+    Q: tokio_postgres::ToStatement + ?Sized,
+{
     let (schemas, names): (Vec<&str>, Vec<&str>) =
         tables.iter().map(|(s, t)| (s.as_str(), t.as_str())).unzip();
-    let rows = client
-        .query(super::CATALOG_QUERY, &[&schemas, &names])
-        .await?;
+    let rows = client.query(query, &[&schemas, &names]).await?;
     let mut cat = Catalog::default();
     let mut pks: HashMap<(String, String), Vec<(i32, String)>> = HashMap::new();
     for r in rows {
