@@ -183,10 +183,11 @@ async fn in_process_inbox_keeps_the_contract() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn kafka_inbox_keeps_the_contract_resumes_where_told_and_seeks() {
+/// A fresh topic (and its dead-letter topic) on the test broker holding
+/// [`batches`], sent by the Kafka transport.
+async fn sent_to_kafka(name: &str) -> (rdkafka::ClientConfig, String, Vec<Batch>) {
     let brokers = kafka_brokers_required();
-    let topic = fresh_topic("inbox_contract");
+    let topic = fresh_topic(name);
     let kc = client_config(&brokers, &Default::default());
     ensure_topic(&kc, &topic, PARTITIONS, 1).await.unwrap();
     ensure_topic(&kc, &format!("{topic}.dlq"), PARTITIONS, 1)
@@ -197,7 +198,12 @@ async fn kafka_inbox_keeps_the_contract_resumes_where_told_and_seeks() {
     for b in sent.clone() {
         transport.send(b).await.unwrap();
     }
-    drop(transport);
+    (kc, topic, sent)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_inbox_keeps_the_contract_resumes_where_told_and_seeks() {
+    let (kc, topic, sent) = sent_to_kafka("inbox_contract").await;
     let expected = by_partition(&sent);
     // Partition 1 was applied up to offset 2 (exclusive) by an earlier
     // owner: it must resume there. Partition 0 was never applied.
@@ -246,6 +252,64 @@ async fn kafka_inbox_keeps_the_contract_resumes_where_told_and_seeks() {
     assert_eq!(
         again.iter().find(|d| d.partition == 0).unwrap().lower,
         Checkpoint::Offset(3)
+    );
+    inbox.close().await;
+}
+
+/// `transport.batch_wait_ms: 0` ("apply what is there") still polls:
+/// librdkafka serves the group's assignment only inside a poll, so an
+/// inbox that never polled with a zero wait got no partition, ever, and
+/// its applier looped without sleeping (found running bench/kafka, whose
+/// config took the extractor's linger default, 0, as this wait).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kafka_inbox_with_a_zero_wait_is_assigned_and_delivers() {
+    let (kc, topic, sent) = sent_to_kafka("inbox_zero_wait").await;
+    let expected = by_partition(&sent);
+    let resume: ResumeAt = Arc::new(|parts: &[u32]| Ok(parts.iter().map(|p| (*p, None)).collect()));
+    let settings = InboxSettings {
+        topic: topic.clone(),
+        group: format!("{topic}.group"),
+        instance_id: None,
+        entities: ["customer".to_string()].into(),
+        max_records: 1000,
+        wait: Duration::ZERO,
+    };
+    let mut inbox = KafkaInbox::new(&kc, settings, resume).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut assigned, mut got): (BTreeSet<u32>, BTreeMap<u32, Vec<ChangeRecord>>) =
+        Default::default();
+    let (mut rounds, mut empty) = (0u32, 0u32);
+    while got.values().map(Vec::len).sum::<usize>() < sent.iter().map(|b| b.records.len()).sum() {
+        assert!(
+            Instant::now() < deadline,
+            "after 30 s with a zero wait: assigned {assigned:?}, {rounds} rounds, records {:?}",
+            got.iter().map(|(p, r)| (*p, r.len())).collect::<Vec<_>>()
+        );
+        let round = inbox.next().await.unwrap();
+        rounds += 1;
+        for m in &round.membership {
+            if let Membership::Assigned(ps) = m {
+                assigned.extend(ps.iter().copied());
+            }
+        }
+        empty += u32::from(round.deliveries.is_empty() && round.membership.is_empty());
+        for d in &round.deliveries {
+            got.entry(d.partition)
+                .or_default()
+                .extend(d.records.iter().cloned());
+            inbox.committed(d.partition, Ok(d.upper)).await.unwrap();
+        }
+    }
+    assert_eq!(assigned, [0, 1].into());
+    assert_eq!(got, expected);
+    // An idle round waits for records instead of returning at once.
+    let t = Instant::now();
+    let idle = inbox.next().await.unwrap();
+    assert!(idle.deliveries.is_empty());
+    assert!(
+        t.elapsed() >= Duration::from_millis(50),
+        "an empty round returned after {:?} ({empty} empty rounds before)",
+        t.elapsed()
     );
     inbox.close().await;
 }

@@ -32,6 +32,11 @@ pub const DEFAULT_MAX_BATCH_CHANGES: usize = 10_000;
 /// Default time the extractor waits for more changes once the stream is
 /// quiet (0: a batch closes when nothing more is ready).
 pub const DEFAULT_BATCH_LINGER_MS: u64 = 0;
+/// Default `transport.batch_wait_ms` (Kafka): how long an applier gathers
+/// records once the first arrived. Its own value: it was the extractor's
+/// linger until that became 0, and 0 left appliers unassigned (fixed since;
+/// 0 now means "what is ready").
+pub const DEFAULT_KAFKA_BATCH_WAIT_MS: u64 = 20;
 /// Default longest time a batch stays open.
 pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
 /// Default `extractor.max_batches_in_flight`: the batch being applied and

@@ -148,7 +148,7 @@ fn default_max_batch_records() -> usize {
     DEFAULT_MAX_BATCH_CHANGES
 }
 fn default_batch_wait_ms() -> u64 {
-    DEFAULT_BATCH_LINGER_MS
+    DEFAULT_KAFKA_BATCH_WAIT_MS
 }
 fn default_true() -> bool {
     true

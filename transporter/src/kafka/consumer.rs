@@ -521,18 +521,33 @@ impl KafkaInbox {
     }
 }
 
+/// How long a poll with nothing taken yet waits for a first record.
+const IDLE_POLL: Duration = Duration::from_millis(100);
+
 /// Polls for up to `wait` or `max` records (librdkafka's poll blocks and
 /// runs the rebalance callback), returning records and membership changes
 /// in the order they happened.
+///
+/// It always polls, also with a zero `wait` ("apply what is there"):
+/// librdkafka serves the group's assignment only inside a poll. With
+/// nothing taken yet it waits up to [`IDLE_POLL`] (or `wait`, if longer)
+/// for a first record, so an idle applier sleeps in librdkafka instead of
+/// going round at once; after one it takes more until `wait` is over, and
+/// at least what is ready now.
 fn poll_phase(consumer: &BaseConsumer<InboxContext>, wait: Duration, max: usize) -> Vec<Polled> {
-    let deadline = Instant::now() + wait;
+    let start = Instant::now();
+    let deadline = start + wait;
+    let idle_deadline = start + wait.max(IDLE_POLL);
     let mut out = vec![];
     let mut taken = 0usize;
     while taken < max {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        let until = if taken == 0 { idle_deadline } else { deadline };
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() && taken == 0 {
             break;
         }
+        // After a record, a zero budget still takes what is ready now
+        // (a poll of zero returns nothing when nothing is).
         let polled = consumer.poll(left);
         out.extend(
             consumer
