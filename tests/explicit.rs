@@ -215,6 +215,17 @@ async fn an_explicit_run_killed_halfway_resumes_where_it_stopped() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(run_status(&env, 1)["finished"], false);
+    // Published is in the outbox; the relay sends it on its own poll (over
+    // Kafka, the appliers' relays): wait for the sink to hold it.
+    let t0 = Instant::now();
+    while env.events().len() < 20 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{} of 20 published events reached the sink",
+            env.events().len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(env.events().len(), 20);
     let out = env
         .command(&["explicit", "--entity", "customer", "--chunk", "10"])
