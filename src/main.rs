@@ -201,7 +201,7 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
     if let Some(a) = cli.metrics_addr.filter(|a| !a.is_empty()) {
         cfg.metrics.addr = Some(a);
     }
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         match cli.command {
             Command::Run => cmd::run::run(cfg).await,
             Command::Relay => cmd::relay::relay(cfg).await,
@@ -248,5 +248,10 @@ fn try_main(cli: Cli) -> anyhow::Result<()> {
                 } => cmd::marker::reset(&cfg, to, latest, continue_with_data_loss).await,
             },
         }
-    })
+    });
+    // A blocking task left behind (a Kafka client's close that waits for an
+    // unreachable broker, see `KafkaInbox::close`) must not hold the exit:
+    // dropping the runtime would wait for it without limit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
 }

@@ -1000,3 +1000,146 @@ async fn replay_republish_leaves_truncate_notices_alone() {
     assert_eq!(deleted, want);
     assert_exactly_once(&env).await;
 }
+
+/// Starts a private broker of the suite's kind (`SKEIN_TEST_KAFKA_BROKER`,
+/// noida by default) on a port the OS picked, for a test that stops it.
+/// Returns its address and a guard that stops it when dropped.
+fn private_broker() -> (String, impl Drop) {
+    let kind = std::env::var("SKEIN_TEST_KAFKA_BROKER").unwrap_or_else(|_| "noida".into());
+    let port = free_port();
+    let started = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "SKEIN_KAFKA_KEEP=1 source scripts/lib/kafka.sh && skein_kafka_start {kind} {port}"
+        ))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        started.status.success(),
+        "{}",
+        String::from_utf8_lossy(&started.stderr)
+    );
+    (format!("127.0.0.1:{port}"), scopeguard(port))
+}
+
+/// A port nothing listens on: the OS picks it (bind to 0), so no other
+/// test or leftover broker holds it; the listener is closed at once.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free local port")
+        .port()
+}
+
+/// With its broker gone, `skein extract` and `skein apply` still stop on
+/// one SIGTERM, within 20 s: a process an operator cannot stop without
+/// SIGKILL is a wedge (an applier once ignored SIGTERM for 18 minutes with
+/// its broker stopped), and Kubernetes sends SIGKILL 30 s after SIGTERM by
+/// default. Here the change topic's broker goes.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pipeline_stops_on_sigterm_while_its_change_broker_is_down() {
+    stops_on_sigterm_with_a_broker_down(Down::Changes).await;
+}
+
+/// [`the_pipeline_stops_on_sigterm_while_its_change_broker_is_down`], with
+/// the Kafka sink's broker gone and an event waiting for it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pipeline_stops_on_sigterm_while_its_sink_broker_is_down() {
+    stops_on_sigterm_with_a_broker_down(Down::Sink).await;
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Down {
+    Changes,
+    Sink,
+}
+
+async fn stops_on_sigterm_with_a_broker_down(down: Down) {
+    let (private, stop_broker) = private_broker();
+    let shared = kafka_brokers_required();
+    let (changes, sink) = match down {
+        Down::Changes => (private.clone(), shared),
+        Down::Sink => (shared, private.clone()),
+    };
+    let prefix = fresh_topic("term_events");
+    let name = match down {
+        Down::Changes => "term_changes_down",
+        Down::Sink => "term_sink_down",
+    };
+    let env = Env::with_files(
+        name,
+        &Files::QUICKSTART,
+        TransportChoice::Kafka(changes),
+        |y| {
+            kafka_sink(y, &prefix, "structured").replace(
+                &format!("brokers: {}\n  topic_prefix", kafka_brokers_required()),
+                &format!("brokers: {sink}\n  topic_prefix"),
+            )
+        },
+    )
+    .await;
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    drop(stop_broker);
+    // A change the pipeline cannot hand over (Changes) or publish (Sink),
+    // while the clients find the broker gone.
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'Bob');")
+        .await;
+    if down == Down::Sink {
+        let t0 = Instant::now();
+        while env.outbox().await.len() < 2 {
+            run.check_alive(&env);
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "customer 2 was not applied"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    run.check_alive(&env);
+    let t0 = Instant::now();
+    for (_, c) in &run.children {
+        let _ = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(c.id().to_string())
+            .status();
+    }
+    let mut exits = vec![];
+    for (what, c) in &mut run.children {
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                exits.push(format!("{what}: {status} after {:?}", t0.elapsed()));
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "skein {what} did not exit within 20 s of SIGTERM with its broker down \
+                 (exited so far: {exits:?}):\n{}",
+                env.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    eprintln!("exits: {exits:?}");
+    if down == Down::Sink {
+        // The exit abandoned the send, not the event: customer 2's row is
+        // still pending for the next relay.
+        let pending: i64 = env
+            .db
+            .query_one(
+                "SELECT count(*) FROM skein.outbox WHERE dequeued_at IS NULL \
+                 AND event::jsonb->>'subject' = 'customer.2'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(pending, 1, "customer 2's event is pending after the stop");
+    }
+}

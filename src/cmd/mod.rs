@@ -146,8 +146,20 @@ pub fn relay_failure(
     }
 }
 
+/// How long a stop may take after SIGTERM or SIGINT before the process
+/// exits without finishing it. A clean stop ends the batch at hand and
+/// leaves the consumer group; a broker or database out of reach can hold
+/// either forever (librdkafka's close, a sink flush), and a process that
+/// only SIGKILL stops is a wedge. Exiting at the deadline is a crash as far
+/// as the data goes, which every stage recovers from: an open sidecar
+/// transaction rolls back, the marker and the slot stay where they were.
+/// Under Kubernetes' default 30 s grace period.
+pub const STOP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// A token cancelled by SIGTERM or SIGINT. The handlers are installed
 /// before this returns, so a signal during start-up also stops cleanly.
+/// A second signal, or [`STOP_DEADLINE`] after the first, ends the process
+/// at once (exit status 1).
 pub fn shutdown_token() -> CancellationToken {
     use tokio::signal::unix::{signal, SignalKind};
     let cancel = CancellationToken::new();
@@ -163,8 +175,19 @@ pub fn shutdown_token() -> CancellationToken {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        info!("shutting down");
+        info!(deadline = ?STOP_DEADLINE, "shutting down (a second signal stops at once)");
         c.cancel();
+        let why = tokio::select! {
+            _ = term.recv() => "a second signal came",
+            _ = int.recv() => "a second signal came",
+            _ = tokio::time::sleep(STOP_DEADLINE) => "the stop took longer than its deadline",
+        };
+        error!(
+            deadline = ?STOP_DEADLINE,
+            "{why}: exiting without a clean stop; nothing is lost, the next start \
+             goes on from the last committed batch (is a broker or database out of reach?)"
+        );
+        std::process::exit(1);
     });
     cancel
 }

@@ -184,6 +184,9 @@ struct PartBuf {
     dead_letters: i32,
 }
 
+/// How long [`KafkaInbox::close`] waits for the consumer to leave its group.
+pub const CLOSE_LIMIT: Duration = Duration::from_secs(10);
+
 /// The rebalance bookkeeping of the inbox, pure: which partitions are owned,
 /// and what one round collected for each.
 #[derive(Debug, Default)]
@@ -367,14 +370,29 @@ impl KafkaInbox {
         })
     }
 
-    /// Leaves the group. librdkafka's close blocks until the group knows
-    /// (and runs the revocation callback): done off the async workers.
+    /// Leaves the group, waiting at most [`CLOSE_LIMIT`]. librdkafka's
+    /// close blocks until the group knows (and runs the revocation
+    /// callback), so it runs off the async workers; with the coordinator
+    /// out of reach it may never return (rust-rdkafka #597, #611), and a
+    /// stopping applier must not hang on it. Leaving without telling the
+    /// group loses nothing: offsets live in the sidecar, and the group's
+    /// session timeout hands the partitions over.
     pub async fn close(mut self) {
-        if let Some(poll) = self.inflight.take() {
-            let _ = poll.await;
+        let inflight = self.inflight.take();
+        let leave = async move {
+            if let Some(poll) = inflight {
+                let _ = poll.await;
+            }
+            // The consumer and the dead-letter producer: both may block.
+            let _ = tokio::task::spawn_blocking(move || drop(self)).await;
+        };
+        if tokio::time::timeout(CLOSE_LIMIT, leave).await.is_err() {
+            warn!(
+                limit = ?CLOSE_LIMIT,
+                "the consumer did not leave its group in time (is the broker reachable?); \
+                 stopping without it: the group hands the partitions over after its session timeout"
+            );
         }
-        let consumer = self.consumer;
-        let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
     }
 
     /// Polls for up to `wait` or `max` records, off the async workers
