@@ -846,20 +846,7 @@ async fn a_sink_outage_is_retried_until_the_broker_is_back() {
     // Longer than the delivery timeout: the relay keeps retrying.
     tokio::time::sleep(Duration::from_secs(5)).await;
     run.check_alive(&env);
-    let started = std::process::Command::new("bash")
-        .arg("-c")
-        .arg(format!(
-            "SKEIN_KAFKA_KEEP=1 source scripts/lib/kafka.sh && skein_kafka_start noida {port}"
-        ))
-        .current_dir(root())
-        .output()
-        .unwrap();
-    assert!(
-        started.status.success(),
-        "{}",
-        String::from_utf8_lossy(&started.stderr)
-    );
-    let stop_broker = scopeguard(port);
+    let stop_broker = start_broker("noida", port);
     env.settle_within(&mut run, Duration::from_secs(90)).await;
     run.stop(&env);
     let events = read_topic_at(&brokers, &format!("{prefix}.customer"));
@@ -1007,6 +994,12 @@ async fn replay_republish_leaves_truncate_notices_alone() {
 fn private_broker() -> (String, impl Drop) {
     let kind = std::env::var("SKEIN_TEST_KAFKA_BROKER").unwrap_or_else(|_| "noida".into());
     let port = free_port();
+    (format!("127.0.0.1:{port}"), start_broker(&kind, port))
+}
+
+/// Starts a broker of `kind` on 127.0.0.1:`port` (an empty one) and
+/// returns a guard that stops it when dropped.
+fn start_broker(kind: &str, port: u16) -> impl Drop {
     let started = std::process::Command::new("bash")
         .arg("-c")
         .arg(format!(
@@ -1020,7 +1013,7 @@ fn private_broker() -> (String, impl Drop) {
         "{}",
         String::from_utf8_lossy(&started.stderr)
     );
-    (format!("127.0.0.1:{port}"), scopeguard(port))
+    scopeguard(port)
 }
 
 /// A port nothing listens on: the OS picks it (bind to 0), so no other
