@@ -112,6 +112,12 @@ pub enum Current {
     },
 }
 
+/// The etag of a present aggregate: of its hash input where excluded
+/// columns made one apart, else of its data.
+fn present_etag(data: &Value, etag_input: Option<&Value>) -> String {
+    etag(etag_input.unwrap_or(data))
+}
+
 /// The version row stored for an aggregate.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stored {
@@ -217,7 +223,7 @@ pub fn decide(
             etag_input,
             is_deleted: false,
         } => {
-            let tag = etag(etag_input.as_ref().unwrap_or(data));
+            let tag = present_etag(data, etag_input.as_ref());
             if let Some(s) = stored {
                 if !s.is_deleted && s.etag.as_deref() == Some(tag.as_str()) {
                     return None;
@@ -296,7 +302,7 @@ pub fn decide_explicit(
             else {
                 return None;
             };
-            let tag = etag(etag_input.as_ref().unwrap_or(data));
+            let tag = present_etag(data, etag_input.as_ref());
             Some(Decision {
                 action: Action::Updated,
                 data: std::mem::take(data),

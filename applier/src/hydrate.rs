@@ -56,8 +56,9 @@ pub const BEGIN_SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONL
 /// keys. A generic plan counts an array parameter's `unnest` as 100 rows
 /// and joins by index, which is right for a few keys and saves planning
 /// the queries in every small batch (the live case: more than half of a
-/// small batch's time on a 2-core machine); a custom plan sees the array's length and joins a
-/// backlog batch's thousands of keys by hash, in half the time.
+/// small batch's time on a 2-core machine); a custom plan sees the array's
+/// length and joins a backlog batch's thousands of keys by hash, in half
+/// the time.
 pub const GENERIC_PLAN_KEYS: usize = 100;
 
 /// The plan choice of a snapshot hydrating `keys` root keys
@@ -304,14 +305,14 @@ impl Source {
                     }
                     // The first statement: it takes the snapshot it checks.
                     let what = "checking the snapshot sees the batch's transactions";
-                    let unseen = statements
-                        .get(client, UNSEEN_XIDS_SQL)
-                        .await
-                        .map_err(db(what))?;
-                    let unseen: Vec<i64> = client
-                        .query_one(&unseen, &[&xids, &None::<String>, &None::<String>])
-                        .await
-                        .map_err(db(what))?
+                    let unseen: Vec<i64> = statements
+                        .query_one(
+                            client,
+                            UNSEEN_XIDS_SQL,
+                            &[&xids, &None::<String>, &None::<String>],
+                            what,
+                        )
+                        .await?
                         .get(0);
                     if unseen.is_empty() {
                         return Ok(());
@@ -678,9 +679,17 @@ impl EntityHydrator {
                 // Tests stall here to commit a change between two tables' reads.
                 failpoint("applier.hydrate.between_tables");
             }
+            // The context is built only on a failure: this runs per table
+            // per batch.
             let what = || format!("hydrating {}", self.nodes[i].qualified());
-            let query = statements.get(client, sql).await.map_err(db(what()))?;
-            let rows = client.query(&query, &params).await.map_err(db(what()))?;
+            let query = statements
+                .get(client, sql)
+                .await
+                .map_err(|e| db(what())(e))?;
+            let rows = client
+                .query(&query, &params)
+                .await
+                .map_err(|e| db(what())(e))?;
             let mut out = Vec::with_capacity(rows.len());
             for r in rows {
                 let link: String = r.get(1);

@@ -83,4 +83,42 @@ impl Statements {
         self.0.insert(sql.to_string(), s.clone());
         Ok(s)
     }
+
+    /// Runs `sql` prepared; an error names `what` was being done.
+    pub async fn execute<C: tokio_postgres::GenericClient + Sync>(
+        &mut self,
+        client: &C,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        what: &'static str,
+    ) -> Result<u64> {
+        let s = self.get(client, sql).await.map_err(error::db(what))?;
+        client.execute(&s, params).await.map_err(error::db(what))
+    }
+
+    /// Runs `sql` prepared for its one row; an error names `what` was
+    /// being done.
+    pub async fn query_one<C: tokio_postgres::GenericClient + Sync>(
+        &mut self,
+        client: &C,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        what: &'static str,
+    ) -> Result<tokio_postgres::Row> {
+        let s = self.get(client, sql).await.map_err(error::db(what))?;
+        client.query_one(&s, params).await.map_err(error::db(what))
+    }
+
+    /// Runs `sql` prepared for its rows; an error names `what` was being
+    /// done.
+    pub async fn query<C: tokio_postgres::GenericClient + Sync>(
+        &mut self,
+        client: &C,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        what: &'static str,
+    ) -> Result<Vec<tokio_postgres::Row>> {
+        let s = self.get(client, sql).await.map_err(error::db(what))?;
+        client.query(&s, params).await.map_err(error::db(what))
+    }
 }

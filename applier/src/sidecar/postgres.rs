@@ -206,16 +206,15 @@ impl Sidecar for PgSidecar {
     }
 
     async fn versions(&mut self, entity: &str, keys: &[String]) -> Result<HashMap<String, Stored>> {
-        let query = self
-            .statements
-            .get(&self.client, &sc::versions_sql(&self.schema))
-            .await
-            .map_err(db("reading versions"))?;
         let rows = self
-            .client
-            .query(&query, &[&entity, &keys])
-            .await
-            .map_err(db("reading versions"))?;
+            .statements
+            .query(
+                &self.client,
+                &sc::versions_sql(&self.schema),
+                &[&entity, &keys],
+                "reading versions",
+            )
+            .await?;
         Ok(rows
             .into_iter()
             .map(|r| {
@@ -286,26 +285,26 @@ impl Sidecar for PgSidecar {
                 }
                 n
             }
-            Some(expected) => tx
-                .execute(
-                    &statements
-                        .get(&tx, &sc::advance_progress_sql(s))
-                        .await
-                        .map_err(db("advancing progress"))?,
-                    &[
-                        &b.group,
-                        &b.topic,
-                        &partition,
-                        &position,
-                        &expected,
-                        &src_commit,
-                        &src_seq,
-                        &expected_epoch,
-                        &b.recheck_after,
-                    ],
-                )
-                .await
-                .map_err(db("advancing progress"))?,
+            Some(expected) => {
+                statements
+                    .execute(
+                        &tx,
+                        &sc::advance_progress_sql(s),
+                        &[
+                            &b.group,
+                            &b.topic,
+                            &partition,
+                            &position,
+                            &expected,
+                            &src_commit,
+                            &src_seq,
+                            &expected_epoch,
+                            &b.recheck_after,
+                        ],
+                        "advancing progress",
+                    )
+                    .await?
+            }
             None => tx
                 .execute(
                     &sc::first_progress_sql(s),
@@ -346,13 +345,10 @@ impl Sidecar for PgSidecar {
         }
 
         // 2. The batch row: its correlation id is in every event of the batch.
-        let batch_insert = statements
-            .get(&tx, &sc::batch_insert_sql(s))
-            .await
-            .map_err(db("inserting the batch row"))?;
-        let batch_id: i64 = tx
+        let batch_id: i64 = statements
             .query_one(
-                &batch_insert,
+                &tx,
+                &sc::batch_insert_sql(s),
                 &[
                     &b.correlation_id,
                     &b.group,
@@ -366,18 +362,15 @@ impl Sidecar for PgSidecar {
                     &b.has_data_loss,
                     &b.dead_letters,
                 ],
+                "inserting the batch row",
             )
-            .await
-            .map_err(db("inserting the batch row"))?
+            .await?
             .get(0);
 
         // 3. Outbox rows, in decision order (ids keep per-aggregate order),
         // in statements of bounded size: one array parameter of a large
         // batch's events could pass PostgreSQL's 1 GB limit.
-        let outbox_insert = statements
-            .get(&tx, &sc::outbox_insert_sql(s))
-            .await
-            .map_err(db("inserting outbox rows"))?;
+        let outbox_insert = sc::outbox_insert_sql(s);
         for part in bounded_parts(&b.outbox, |o| o.event.len()) {
             let ids: Vec<&str> = part.iter().map(|o| o.event_id.as_str()).collect();
             let entities: Vec<&str> = part.iter().map(|o| o.entity.as_str()).collect();
@@ -385,29 +378,33 @@ impl Sidecar for PgSidecar {
             let etags: Vec<Option<&str>> = part.iter().map(|o| o.etag.as_deref()).collect();
             let events: Vec<&str> = part.iter().map(|o| o.event.as_str()).collect();
             let times: Vec<i64> = part.iter().map(|o| o.commit_time_micros).collect();
-            tx.execute(
-                &outbox_insert,
-                &[
-                    &batch_id, &partition, &ids, &entities, &keys, &etags, &events, &times,
-                ],
-            )
-            .await
-            .map_err(db("inserting outbox rows"))?;
+            statements
+                .execute(
+                    &tx,
+                    &outbox_insert,
+                    &[
+                        &batch_id, &partition, &ids, &entities, &keys, &etags, &events, &times,
+                    ],
+                    "inserting outbox rows",
+                )
+                .await?;
         }
 
         // 4. Versions.
-        let versions_upsert = statements
-            .get(&tx, &sc::versions_upsert_sql(s))
-            .await
-            .map_err(db("upserting versions"))?;
+        let versions_upsert = sc::versions_upsert_sql(s);
         for part in bounded_parts(&b.versions, |v| v.key.len()) {
             let entities: Vec<&str> = part.iter().map(|v| v.entity.as_str()).collect();
             let keys: Vec<&str> = part.iter().map(|v| v.key.as_str()).collect();
             let etags: Vec<Option<&str>> = part.iter().map(|v| v.etag.as_deref()).collect();
             let deleted: Vec<bool> = part.iter().map(|v| v.is_deleted).collect();
-            tx.execute(&versions_upsert, &[&entities, &keys, &etags, &deleted])
-                .await
-                .map_err(db("upserting versions"))?;
+            statements
+                .execute(
+                    &tx,
+                    &versions_upsert,
+                    &[&entities, &keys, &etags, &deleted],
+                    "upserting versions",
+                )
+                .await?;
         }
 
         // 5. Explicit keys published by this batch leave the queue.
