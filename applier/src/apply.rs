@@ -2,6 +2,7 @@
 //! out.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 use skein_common::config::Config;
@@ -13,7 +14,8 @@ use skein_sql::Catalog;
 use skein_transporter::Delivery;
 use tracing::{info, warn};
 
-use crate::decide::{consolidate, decide, decide_explicit, Action, Current};
+use crate::coverage::{coverable, Coverage, Snapshot};
+use crate::decide::{consolidate, decide, decide_explicit, Action, Consolidated, Current};
 use crate::error::{Error, Result};
 use crate::event::{event_text, EventContext};
 use crate::fresh::{fresh, Fresh};
@@ -192,6 +194,13 @@ struct BatchMeta {
     explicit: Vec<i64>,
     /// What the batch applies (a metrics label).
     trigger: Trigger,
+    /// Aggregates not read again: the snapshot they were last decided in
+    /// covers them ([`crate::coverage`]). Read after all if the catalog
+    /// changed.
+    covered: Vec<Consolidated>,
+    /// Whether what the batch decides is remembered for coverage (change
+    /// batches on PostgreSQL).
+    remember: bool,
 }
 
 /// What a batch transaction applies: source changes, a TRUNCATE's
@@ -258,6 +267,9 @@ pub struct Applier<S: Sidecar> {
     /// Whether this applier has claimed the partition (bumped its epoch)
     /// since it last took it.
     claimed: bool,
+    /// The snapshot each aggregate was last decided in, while this
+    /// applier owns the partition.
+    coverage: Coverage,
 }
 
 impl<S: Sidecar> Applier<S> {
@@ -286,6 +298,7 @@ impl<S: Sidecar> Applier<S> {
             kind,
             progress: None,
             claimed: false,
+            coverage: Coverage::default(),
         })
     }
 
@@ -299,12 +312,14 @@ impl<S: Sidecar> Applier<S> {
     /// Read in every batch's snapshot, not on the extractor's Relation
     /// messages: an applier over Kafka never sees those, and only the
     /// snapshot's own catalog is the one its queries run against.
-    async fn follow_schema(&mut self) -> Result<()> {
+    ///
+    /// Returns whether the catalog changed.
+    async fn follow_schema(&mut self) -> Result<bool> {
         let Some(now) = self.source.catalog(&self.cfg.tables()).await? else {
-            return Ok(());
+            return Ok(false);
         };
         if now == self.catalog {
-            return Ok(());
+            return Ok(false);
         }
         // Each dialect's own type rules and fixes.
         let stop = match self.source.dialect() {
@@ -330,7 +345,9 @@ impl<S: Sidecar> Applier<S> {
         self.hydrators = hydrators(&self.cfg, &now, &self.source);
         self.id_sources = id_sources(&self.cfg, &now, &self.source);
         self.catalog = now;
-        Ok(())
+        // What was decided under the old catalog covers nothing.
+        self.coverage.clear();
+        Ok(true)
     }
 
     /// The partition.
@@ -374,9 +391,11 @@ impl<S: Sidecar> Applier<S> {
         self.progress.clone()
     }
 
-    /// Forgets the cached progress (after a fence, or idle to look again).
+    /// Forgets the cached progress (after a fence, or idle to look
+    /// again), and what it decided: another writer may have moved on.
     pub fn reset_progress(&mut self) {
         self.progress = None;
+        self.coverage.clear();
     }
 
     /// The partition changed hands (assigned or revoked): forget the
@@ -384,6 +403,7 @@ impl<S: Sidecar> Applier<S> {
     pub fn taken_over(&mut self) {
         self.progress = None;
         self.claimed = false;
+        self.coverage.clear();
     }
 
     /// Applies one delivery: drops what the committed progress covers
@@ -501,6 +521,8 @@ impl<S: Sidecar> Applier<S> {
     async fn recheck(&mut self, d: &Delivery, notice: &ChangeRecord) -> Result<Applied> {
         let partitions = self.cfg.transport.partitions();
         let page = i64::try_from(self.cfg.extractor.max_batch_changes.max(1)).unwrap_or(i64::MAX);
+        // The re-check decides aggregates no record names.
+        self.coverage.clear();
         let at = self.progress().await?;
         let mut after = at
             .filter(|p| p.source == Some(notice.position))
@@ -562,14 +584,25 @@ impl<S: Sidecar> Applier<S> {
         step: Step,
         trigger: Trigger,
     ) -> Result<Applied> {
-        // Normal PostgreSQL ids only (0-2 are special).
+        let remember = trigger == Trigger::Change && self.source.dialect() == Dialect::Postgres;
+        let covered = if remember {
+            self.coverage.covered(records, Instant::now())
+        } else {
+            Default::default()
+        };
+        let is_covered = |r: &ChangeRecord| covered.contains(&(r.entity.as_str(), &r.root_key));
+        // Normal PostgreSQL ids only (0-2 are special), of the records read.
         let mut xids: Vec<u64> = records
             .iter()
+            .filter(|r| !is_covered(r))
             .map(|r| r.tx_id)
             .filter(|x| *x >= 3)
             .collect();
         xids.sort_unstable();
         xids.dedup();
+        let (covered, consolidated): (Vec<Consolidated>, Vec<Consolidated>) = consolidate(records)
+            .into_iter()
+            .partition(|c| covered.contains(&(c.entity.as_str(), &c.key)));
         let batch = BatchMeta {
             lower: d.lower.numeric(),
             upper: d.upper.numeric(),
@@ -581,9 +614,10 @@ impl<S: Sidecar> Applier<S> {
             xids,
             explicit: vec![],
             trigger,
+            covered,
+            remember,
         };
-        self.commit_aggregates(consolidate(records), batch, step)
-            .await
+        self.commit_aggregates(consolidated, batch, step).await
     }
 
     /// Publishes what the explicit queue holds for this partition
@@ -704,6 +738,8 @@ impl<S: Sidecar> Applier<S> {
             xids: vec![],
             explicit: items.iter().map(|i| i.id).collect(),
             trigger: Trigger::Explicit,
+            covered: vec![],
+            remember: false,
         };
         self.commit_aggregates(consolidated, batch, step).await
     }
@@ -712,14 +748,48 @@ impl<S: Sidecar> Applier<S> {
     /// transaction, moving the progress as `step` says.
     async fn commit_aggregates(
         &mut self,
-        consolidated: Vec<crate::decide::Consolidated>,
-        batch: BatchMeta,
+        mut consolidated: Vec<Consolidated>,
+        mut batch: BatchMeta,
         step: Step,
     ) -> Result<Applied> {
         let started = Instant::now();
         let expected = self.progress().await?;
         let dropped = step.dropped;
         let correlation_id = uuid::Uuid::now_v7().to_string();
+
+        // Every aggregate of the batch is read in one snapshot of the
+        // source: a transaction committed meanwhile shows in all of an
+        // aggregate's tables or in none, so every event is a state that
+        // existed. The snapshot ends (commits or, after an error, rolls
+        // back) before anything else can fail. A batch whose aggregates
+        // are all covered reads nothing.
+        let mut snapshot: Option<Arc<Snapshot>> = None;
+        let read = if consolidated.is_empty() {
+            None
+        } else {
+            self.source
+                .begin_snapshot(&batch.xids, consolidated.len())
+                .await?;
+            let read = match self.follow_schema().await {
+                Ok(changed) => {
+                    // Covered under the old catalog: read them now (this
+                    // snapshot sees all their covering one saw).
+                    if changed {
+                        consolidated.append(&mut batch.covered);
+                    }
+                    if batch.remember {
+                        let taken = Instant::now();
+                        self.source.snapshot().await.map(|text| {
+                            snapshot = text.and_then(|t| Snapshot::parse(&t, taken)).map(Arc::new);
+                        })
+                    } else {
+                        Ok(())
+                    }
+                }
+                Err(e) => Err(e),
+            };
+            Some(read)
+        };
 
         // Hydrate and load versions per entity, batched.
         let mut by_entity: HashMap<&str, Vec<usize>> = HashMap::new();
@@ -734,17 +804,10 @@ impl<S: Sidecar> Applier<S> {
                 (entity, idxs, keys)
             })
             .collect();
-        // Every aggregate of the batch is read in one snapshot of the
-        // source: a transaction committed meanwhile shows in all of an
-        // aggregate's tables or in none, so every event is a state that
-        // existed. The snapshot ends (commits or, after an error, rolls
-        // back) before anything else can fail.
-        self.source
-            .begin_snapshot(&batch.xids, consolidated.len())
-            .await?;
-        let read = match self.follow_schema().await {
-            Ok(()) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
-            Err(e) => Err(e),
+        let read = match read {
+            None => Ok(vec![]),
+            Some(Ok(())) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
+            Some(Err(e)) => Err(e),
         };
         // The pre-assigned ids of referenced rows, in the same snapshot.
         let read = match read {
@@ -761,7 +824,11 @@ impl<S: Sidecar> Applier<S> {
         };
         // A hydration error is the cause; ending the snapshot after it can
         // only fail for the same reason (a lost connection).
-        let ended = self.source.end_snapshot().await;
+        let ended = if by_entity.is_empty() {
+            Ok(())
+        } else {
+            self.source.end_snapshot().await
+        };
         let (hydrated, referenced) = read?;
         ended?;
         let mut outbox = vec![];
@@ -771,7 +838,12 @@ impl<S: Sidecar> Applier<S> {
         // Decided first: the global identifiers the events need are
         // assigned (committed apart, see `identifiers::assign`) before any
         // event is built.
+        for c in &batch.covered {
+            tally.entry(c.entity.as_str()).or_default().1 += 1;
+        }
         let mut decided = vec![];
+        // Per aggregate read: whether its snapshot covers it afterwards.
+        let mut remembered: Vec<(String, RootKey, bool)> = vec![];
         let mut wanted = vec![];
         let mut dangling: HashSet<Wanted> = HashSet::new();
         for ((entity, idxs, keys), current) in by_entity.into_iter().zip(hydrated) {
@@ -790,6 +862,9 @@ impl<S: Sidecar> Applier<S> {
             let plan = self.plans.get(entity);
             for ((i, mut cur), ck) in idxs.iter().zip(current).zip(&canon) {
                 let c = &consolidated[*i];
+                if snapshot.is_some() {
+                    remembered.push((c.entity.clone(), c.key.clone(), coverable(c, &cur)));
+                }
                 let delete = h.delete_payload(&c.key);
                 let d = match c.explicit {
                     Some(republish) => {
@@ -911,7 +986,7 @@ impl<S: Sidecar> Applier<S> {
             upper: batch.upper,
             correlation_id,
             record_count: batch.records as i32,
-            entity_count: consolidated.len() as i32,
+            entity_count: (consolidated.len() + batch.covered.len()) as i32,
             has_data_loss: batch.has_data_loss,
             outbox,
             versions,
@@ -928,6 +1003,9 @@ impl<S: Sidecar> Applier<S> {
             }
         };
         failpoint("applier.after_sidecar");
+        if let Some(s) = &snapshot {
+            self.coverage.decided(s, remembered);
+        }
         record_metrics(&commit, batch.trigger, &tally, dropped, started.elapsed());
         // An explicit batch before the partition's first commit wrote no
         // progress row (it only locked the absent one): there is none.
@@ -941,7 +1019,7 @@ impl<S: Sidecar> Applier<S> {
         }));
         let applied = Applied {
             records: batch.records,
-            entities: consolidated.len(),
+            entities: consolidated.len() + batch.covered.len(),
             events: commit.outbox.len(),
             batch_id: Some(batch_id),
         };
@@ -953,6 +1031,7 @@ impl<S: Sidecar> Applier<S> {
             duplicates = dropped,
             dead_letters = commit.dead_letters,
             entities = applied.entities,
+            covered = batch.covered.len(),
             events = applied.events,
             ms = started.elapsed().as_millis() as u64,
             "batch committed"

@@ -391,6 +391,28 @@ impl Source {
     }
 
     /// Ends the batch's snapshot (it only read: committing releases it).
+    /// The open snapshot as `pg_snapshot` text (`xmin:xmax:xip,…`), for
+    /// [`crate::coverage`]; `None` on SQL Server, where no snapshot spans
+    /// a batch's reads.
+    pub async fn snapshot(&mut self) -> Result<Option<String>> {
+        match self {
+            Source::Postgres {
+                client, statements, ..
+            } => Ok(Some(
+                statements
+                    .query_one(
+                        client,
+                        "SELECT pg_current_snapshot()::text",
+                        &[],
+                        "reading the hydration snapshot's bounds",
+                    )
+                    .await?
+                    .get(0),
+            )),
+            Source::SqlServer(_) => Ok(None),
+        }
+    }
+
     pub async fn end_snapshot(&mut self) -> Result<()> {
         match self {
             Source::Postgres {

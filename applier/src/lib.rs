@@ -19,6 +19,7 @@
 //! stable event id.
 
 pub mod apply;
+pub mod coverage;
 pub mod decide;
 pub mod error;
 pub mod event;
