@@ -42,7 +42,7 @@ INSERT INTO "skein"."outbox" (event_id, batch_id, entity, key, partition, etag, 
 INSERT INTO "skein"."version" (entity, key, etag, is_deleted) SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) ON CONFLICT (entity, key) DO UPDATE SET etag = EXCLUDED.etag, is_deleted = EXCLUDED.is_deleted, updated_at = now();
 
 -- versions of some keys
-SELECT key, etag, is_deleted FROM "skein"."version" WHERE entity = $1 AND key = ANY($2);
+SELECT v.key, v.etag, v.is_deleted FROM unnest($2::text[]) AS k(key) CROSS JOIN LATERAL (SELECT key, etag, is_deleted FROM "skein"."version" WHERE entity = $1 AND key = k.key OFFSET 0) v;
 
 -- truncate: the keys to re-check
 SELECT key FROM "skein"."version" WHERE entity = $1 AND NOT is_deleted AND ($2::text IS NULL OR key > $2) ORDER BY key LIMIT $3;
@@ -114,7 +114,7 @@ SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor",
 SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor", r.queued, (SELECT count(*) FROM "skein"."explicit_queue" q WHERE q.run_id = r.id), to_char(r.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), to_char(r.updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"') FROM "skein"."explicit_run" r WHERE r.id = $1;
 
 -- global identifiers of some keys
-SELECT key, global_id FROM "skein"."identifier_mapping" WHERE entity = $1 AND key = ANY($2);
+SELECT m.key, m.global_id FROM unnest($2::text[]) AS k(key) CROSS JOIN LATERAL (SELECT key, global_id FROM "skein"."identifier_mapping" WHERE entity = $1 AND key = k.key OFFSET 0) m;
 
 -- relay: purge relayed rows past their retention
 DELETE FROM "skein"."outbox" WHERE id IN (SELECT id FROM "skein"."outbox" WHERE dequeued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE SKIP LOCKED);
