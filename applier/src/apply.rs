@@ -762,9 +762,11 @@ impl<S: Sidecar> Applier<S> {
         // aggregate's tables or in none, so every event is a state that
         // existed. The snapshot ends (commits or, after an error, rolls
         // back) before anything else can fail. A batch whose aggregates
-        // are all covered reads nothing.
+        // are all covered reads only the catalog (a change of it reads
+        // them after all).
         let mut snapshot: Option<Arc<Snapshot>> = None;
-        let read = if consolidated.is_empty() {
+        let opened = !consolidated.is_empty() || !batch.covered.is_empty();
+        let read = if !opened {
             None
         } else {
             self.source
@@ -806,6 +808,7 @@ impl<S: Sidecar> Applier<S> {
             .collect();
         let read = match read {
             None => Ok(vec![]),
+            Some(Ok(())) if by_entity.is_empty() => Ok(vec![]),
             Some(Ok(())) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
             Some(Err(e)) => Err(e),
         };
@@ -824,22 +827,23 @@ impl<S: Sidecar> Applier<S> {
         };
         // A hydration error is the cause; ending the snapshot after it can
         // only fail for the same reason (a lost connection).
-        let ended = if by_entity.is_empty() {
-            Ok(())
-        } else {
+        let ended = if opened {
             self.source.end_snapshot().await
+        } else {
+            Ok(())
         };
         let (hydrated, referenced) = read?;
         ended?;
         let mut outbox = vec![];
         let mut versions = vec![];
-        // Per entity: events, and aggregates with nothing new to publish.
-        let mut tally: HashMap<&str, (u64, u64)> = HashMap::new();
+        // Per entity: events, aggregates with nothing new to publish, and
+        // aggregates covered (not read).
+        let mut tally: HashMap<&str, (u64, u64, u64)> = HashMap::new();
         // Decided first: the global identifiers the events need are
         // assigned (committed apart, see `identifiers::assign`) before any
         // event is built.
         for c in &batch.covered {
-            tally.entry(c.entity.as_str()).or_default().1 += 1;
+            tally.entry(c.entity.as_str()).or_default().2 += 1;
         }
         let mut decided = vec![];
         // Per aggregate read: whether its snapshot covers it afterwards.
@@ -1044,7 +1048,7 @@ impl<S: Sidecar> Applier<S> {
 fn record_metrics(
     commit: &BatchCommit,
     trigger: Trigger,
-    tally: &HashMap<&str, (u64, u64)>,
+    tally: &HashMap<&str, (u64, u64, u64)>,
     dropped: usize,
     took: std::time::Duration,
 ) {
@@ -1065,15 +1069,18 @@ fn record_metrics(
         metrics::counter!(m::DEAD_LETTERS, "stage" => "transport")
             .increment(commit.dead_letters as u64);
     }
-    for (entity, (published, unchanged)) in tally {
+    for (entity, (published, unchanged, covered)) in tally {
         let entity = entity.to_string();
         if *published > 0 {
             metrics::counter!(m::EVENTS_PUBLISHED, "entity" => entity.clone(), "trigger" => t)
                 .increment(*published);
         }
         if *unchanged > 0 {
-            metrics::counter!(m::EVENTS_UNCHANGED, "entity" => entity, "trigger" => t)
+            metrics::counter!(m::EVENTS_UNCHANGED, "entity" => entity.clone(), "trigger" => t)
                 .increment(*unchanged);
+        }
+        if *covered > 0 {
+            metrics::counter!(m::AGGREGATES_COVERED, "entity" => entity).increment(*covered);
         }
     }
     metrics::histogram!(m::APPLIER_BATCH_DURATION, "trigger" => t).record(took.as_secs_f64());

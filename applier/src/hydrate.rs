@@ -96,6 +96,18 @@ x AS (SELECT snap, v, CASE WHEN c > nxt THEN c - 4294967296 ELSE c END AS full_i
 SELECT coalesce(array_agg(v ORDER BY v), '{}') FROM x
 WHERE full_id >= 0 AND NOT pg_visible_in_snapshot(full_id::text::xid8, snap)";
 
+/// The open snapshot's text, and whether it cannot be trusted as a cut of
+/// the commit order ([`Source::snapshot`]): on a hot standby, or while
+/// synchronous replication is configured. A commit waiting for a
+/// synchronous standby is decoded and in the commit log, but other
+/// sessions count it as running until the standby answers, however long
+/// that takes, while later commits that do not wait (`synchronous_commit`
+/// is per session) are visible. `pg_xact_status` cannot tell such a
+/// commit from a running transaction (it asks the process array first).
+pub const CLEAN_SNAPSHOT_SQL: &str = "\
+SELECT s::text, pg_is_in_recovery() OR current_setting('synchronous_standby_names') <> ''
+FROM pg_current_snapshot() AS s";
+
 impl Source {
     /// Connects to the configured source for reading state.
     pub async fn connect(cfg: &Config) -> Result<Source> {
@@ -390,29 +402,35 @@ impl Source {
         }
     }
 
-    /// Ends the batch's snapshot (it only read: committing releases it).
     /// The open snapshot as `pg_snapshot` text (`xmin:xmax:xip,…`), for
-    /// [`crate::coverage`]; `None` on SQL Server, where no snapshot spans
-    /// a batch's reads.
+    /// [`crate::coverage`], when it can be taken for a cut of the commit
+    /// order: `None` while synchronous replication is configured (a
+    /// commit waiting for the standby stays invisible while later ones are
+    /// visible, so the snapshot may see a change whose effect on an
+    /// aggregate depends on one it does not see), on a hot standby (whose
+    /// snapshots list no running ids), and on SQL Server, where no
+    /// snapshot spans a batch's reads ([`CLEAN_SNAPSHOT_SQL`]).
     pub async fn snapshot(&mut self) -> Result<Option<String>> {
         match self {
             Source::Postgres {
                 client, statements, ..
-            } => Ok(Some(
-                statements
+            } => {
+                let row = statements
                     .query_one(
                         client,
-                        "SELECT pg_current_snapshot()::text",
+                        CLEAN_SNAPSHOT_SQL,
                         &[],
-                        "reading the hydration snapshot's bounds",
+                        "reading the hydration snapshot",
                     )
-                    .await?
-                    .get(0),
-            )),
+                    .await?;
+                let untrusted: bool = row.get(1);
+                Ok((!untrusted).then(|| row.get(0)))
+            }
             Source::SqlServer(_) => Ok(None),
         }
     }
 
+    /// Ends the batch's snapshot (it only read: committing releases it).
     pub async fn end_snapshot(&mut self) -> Result<()> {
         match self {
             Source::Postgres {

@@ -58,6 +58,9 @@ pub const EVENTS_PUBLISHED: &str = "skein_events_published_total";
 /// Changed aggregates whose state hashed to the stored version: no event
 /// (label `entity`).
 pub const EVENTS_UNCHANGED: &str = "skein_events_unchanged_total";
+/// Aggregates of change batches not read again: the snapshot they were
+/// last decided in saw all their records (label `entity`).
+pub const AGGREGATES_COVERED: &str = "skein_applier_covered_total";
 /// Time from an event's source commit to its outbox commit.
 pub const EVENT_LATENCY: &str = "skein_event_latency_seconds";
 /// Outbox rows not yet relayed (every partition).
@@ -102,6 +105,7 @@ pub fn describe() {
         (APPLIER_BATCHES, Count, "Batch transactions an applier committed to the sidecar, by partition and trigger (change, truncate_recheck, explicit)."),
         (EVENTS_PUBLISHED, Count, "Events written to the outbox, by entity and trigger (change, truncate_recheck, explicit)."),
         (EVENTS_UNCHANGED, Count, "Aggregates looked at whose state equals the stored version, so no event, by entity and trigger (change, truncate_recheck, explicit)."),
+        (AGGREGATES_COVERED, Count, "Aggregates of change batches an applier did not read again: the source snapshot it last decided them in already saw every change of theirs in the batch, so their published state holds them; by entity."),
         (RELAY_SENT, Count, "Events the relay sent to the sink and marked dequeued."),
         (RELAY_FAILURES, Count, "Relay attempts that failed; the rows stay pending and are retried in order."),
         (REFRESH_FAILURES, Count, "Reads of the pipeline-wide gauges (slot, outbox, Kafka lag, explicit keys) that failed or timed out; those gauges keep their last values."),
@@ -161,7 +165,9 @@ pub fn register(entities: &[&str], partitions: u32, pipeline_gauges: bool) {
         let e = e.to_string();
         metrics::counter!(EVENTS_PUBLISHED, "entity" => e.clone(), "trigger" => "change")
             .increment(0);
-        metrics::counter!(EVENTS_UNCHANGED, "entity" => e, "trigger" => "change").increment(0);
+        metrics::counter!(EVENTS_UNCHANGED, "entity" => e.clone(), "trigger" => "change")
+            .increment(0);
+        metrics::counter!(AGGREGATES_COVERED, "entity" => e).increment(0);
     }
     for p in 0..partitions {
         let p = p.to_string();
