@@ -76,15 +76,7 @@ async fn update_then_delete_and_create_update_then_delete() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn create_update_with_upcoming_delete_publishes_only_the_delete() {
-    let env = Env::new("upcoming_delete", |y| {
-        y.replace(
-            "state_dir:",
-            "extractor: { max_batch_changes: 2 }\nstate_dir:",
-        )
-    })
-    .await;
-    let run = env.start().await;
-    run.stop(&env);
+    let env = Env::stopped_with_batches_of("upcoming_delete", 2).await;
     // While stopped: batch 1 will hold insert+update, batch 2 the delete.
     env.exec("BEGIN; INSERT INTO customer (id, name) VALUES (1, 'Ada'); UPDATE customer SET name = 'A' WHERE id = 1; COMMIT;")
         .await;
@@ -839,15 +831,7 @@ fn covered_in_log(env: &Env) -> usize {
 /// aggregate still ends with one event of its last state.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backlog_does_not_read_again_what_an_earlier_snapshot_saw() {
-    let env = Env::new("coverage_backlog", |y| {
-        y.replace(
-            "state_dir:",
-            "extractor: { max_batch_changes: 1 }\nstate_dir:",
-        )
-    })
-    .await;
-    let run = env.start().await;
-    run.stop(&env);
+    let env = Env::stopped_with_batches_of("coverage_backlog", 1).await;
     for i in 1..=3 {
         env.exec(&format!(
             "INSERT INTO customer (id, name) VALUES ({i}, 'c{i}')"

@@ -203,12 +203,7 @@ async fn an_alter_while_a_batch_is_hydrated_publishes_a_state_that_existed() {
     .await;
     env.exec("UPDATE customer SET name = 'Ada L.' WHERE id = 1;")
         .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !env.log().contains("stalling 3000 ms") {
-        run.check_alive(&env);
-        assert!(std::time::Instant::now() < deadline, "{}", env.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.wait_log(&env, "stalling 3000 ms").await;
     env.exec(
         "ALTER TABLE address ADD COLUMN zip text DEFAULT md5(random()::text);
          ALTER TABLE address_line ADD COLUMN note text DEFAULT 'n';",
@@ -291,15 +286,7 @@ async fn a_ddl_transaction_that_deadlocks_with_a_batch_does_not_stop_it() {
 /// so their next event has the new column, as without the shortcut.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_column_added_behind_covered_records_still_shows() {
-    let env = Env::new("schema_covered", |y| {
-        y.replace(
-            "state_dir:",
-            "extractor: { max_batch_changes: 1 }\nstate_dir:",
-        )
-    })
-    .await;
-    let run = env.start().await;
-    run.stop(&env);
+    let env = Env::stopped_with_batches_of("schema_covered", 1).await;
     // Separate transactions: separate batches. The first batch's snapshot
     // sees the update too.
     env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada')")
@@ -310,12 +297,7 @@ async fn a_column_added_behind_covered_records_still_shows() {
     let mut run = env
         .start_with(&[("SKEIN_FAILPOINT", "applier.after_sidecar:1:sleep=3000")])
         .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !env.log().contains("stalling 3000 ms") {
-        run.check_alive(&env);
-        assert!(std::time::Instant::now() < deadline, "{}", env.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.wait_log(&env, "stalling 3000 ms").await;
     env.exec("ALTER TABLE customer ADD COLUMN tier text DEFAULT 'gold'")
         .await;
     env.settle(&mut run).await;

@@ -66,6 +66,38 @@ impl Drop for SyncStandby {
     }
 }
 
+/// Runs `sql` on a connection of its own, in the background: with a
+/// [`SyncStandby`] set, its commit waits. Returns the backend's pid (for
+/// [`cancel_wait`]) and the task.
+async fn waiting(
+    url: &str,
+    sql: &'static str,
+) -> (
+    i32,
+    tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>,
+) {
+    let writer = connect(url).await;
+    let pid: i32 = writer
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    (
+        pid,
+        tokio::spawn(async move { writer.batch_execute(sql).await }),
+    )
+}
+
+/// Cancels backend `pid`'s wait for the standby: its commit, already
+/// local, becomes visible.
+async fn cancel_wait(pid: i32) {
+    let admin = connect(&admin_url()).await;
+    admin
+        .execute("SELECT pg_cancel_backend($1)", &[&pid])
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_decoded_before_it_is_visible_is_still_published() {
     let env = Env::new("invisible_commit", |y| y).await;
@@ -75,17 +107,11 @@ async fn a_commit_decoded_before_it_is_visible_is_still_published() {
     let guard = SyncStandby::wait_for(&admin_url(), "skein_never_connects").await;
     // This commit is flushed (the stream carries it) but waits for the
     // standby before other sessions can see it.
-    let writer = connect(&env.url).await;
-    let pid: i32 = writer
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let insert = tokio::spawn(async move {
-        writer
-            .batch_execute("INSERT INTO customer (id, name, email) VALUES (1, 'Ada', 'a@x')")
-            .await
-    });
+    let (pid, insert) = waiting(
+        &env.url,
+        "INSERT INTO customer (id, name, email) VALUES (1, 'Ada', 'a@x')",
+    )
+    .await;
     // Long enough for the extractor to send it and an applier to hydrate.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
@@ -93,11 +119,7 @@ async fn a_commit_decoded_before_it_is_visible_is_still_published() {
         "the insert should still wait for the standby"
     );
     // Cancelling the wait makes the (locally committed) row visible.
-    let admin = connect(&admin_url()).await;
-    admin
-        .execute("SELECT pg_cancel_backend($1)", &[&pid])
-        .await
-        .unwrap();
+    cancel_wait(pid).await;
     insert.await.unwrap().unwrap();
     drop(guard);
 
@@ -181,17 +203,11 @@ async fn a_snapshot_with_a_commit_waiting_for_a_standby_is_not_clean() {
     assert!(clean().await.1, "a quiet server's snapshot is clean");
 
     let guard = SyncStandby::wait_for(&admin_url(), "skein_never_connects").await;
-    let writer = connect(&env.url).await;
-    let pid: i32 = writer
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let waiting = tokio::spawn(async move {
-        writer
-            .batch_execute("INSERT INTO customer (id, name) VALUES (1, 'Ada')")
-            .await
-    });
+    let (pid, waiting) = waiting(
+        &env.url,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada')",
+    )
+    .await;
     // A later commit that does not wait: visible at once.
     let local = connect(&env.url).await;
     local
@@ -224,11 +240,7 @@ async fn a_snapshot_with_a_commit_waiting_for_a_standby_is_not_clean() {
         "pg_xact_status of {snap}'s running ids: {xip:?}"
     );
 
-    let admin = connect(&admin_url()).await;
-    admin
-        .execute("SELECT pg_cancel_backend($1)", &[&pid])
-        .await
-        .unwrap();
+    cancel_wait(pid).await;
     waiting.await.unwrap().unwrap();
     drop(guard);
     assert!(clean().await.1, "clean again once the commit is visible");

@@ -136,6 +136,21 @@ impl Env {
         Env::new_at(&admin_url(), name, edit).await
     }
 
+    /// [`Env::new`] with batches of at most `changes` changes, started once
+    /// (so its slot exists) and stopped: what is written next is a backlog
+    /// the next start reads in batches of that size.
+    pub async fn stopped_with_batches_of(name: &str, changes: usize) -> Env {
+        let env = Env::new(name, |y| {
+            y.replace(
+                "state_dir:",
+                &format!("extractor: {{ max_batch_changes: {changes} }}\nstate_dir:"),
+            )
+        })
+        .await;
+        env.start().await.stop(&env);
+        env
+    }
+
     /// [`Env::new`] over the Kafka transport (`SKEIN_TEST_KAFKA_BROKERS`),
     /// whatever `SKEIN_TEST_TRANSPORT` says.
     pub async fn new_kafka(name: &str, edit: impl Fn(String) -> String) -> Env {
@@ -585,6 +600,21 @@ impl Drop for Running {
 }
 
 impl Running {
+    /// Waits until the log holds `text` (30 s at most), checking the
+    /// processes are alive.
+    pub async fn wait_log(&mut self, env: &Env, text: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !env.log().contains(text) {
+            self.check_alive(env);
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no `{text}` in the log:\n{}",
+                env.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn check_alive(&mut self, env: &Env) {
         for (what, c) in &mut self.children {
             if let Some(status) = c.try_wait().unwrap() {
