@@ -1079,6 +1079,15 @@ async fn stops_on_sigterm_with_a_broker_down(down: Down) {
     )
     .await;
     drop(stop_broker);
+    // Gone for good before the next change (tansu takes a moment to stop).
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(&private).is_ok() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the broker at {private} did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // A change the pipeline cannot hand over (Changes) or publish (Sink),
     // while the clients find the broker gone.
     env.exec("INSERT INTO customer (id, name) VALUES (2, 'Bob');")
