@@ -28,6 +28,25 @@ async fn validate_reports_each_problem_with_its_fix() {
         "{text}"
     );
 
+    assert!(!text.contains("no index"), "{text}");
+
+    // A join no index serves: a note with the index, not a failure.
+    env.exec("DROP INDEX address_customer_id").await;
+    let (ok, text) = run_validate(&env);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("`customer.addresses` reads public.address by (customer_id), and no index")
+            && text.contains(r#"CREATE INDEX ON "public"."address" ("customer_id");"#),
+        "{text}"
+    );
+    // Nor is one whose leading column is another: lines are read by
+    // address_id, which their primary key begins with.
+    assert!(!text.contains("public.address_line by"), "{text}");
+    env.exec("CREATE INDEX ON address (customer_id, kind)")
+        .await;
+    let (_, text) = run_validate(&env);
+    assert!(!text.contains("no index"), "{text}");
+
     // A child whose deletes would not carry its join column.
     env.exec("ALTER TABLE address REPLICA IDENTITY DEFAULT")
         .await;

@@ -19,6 +19,10 @@ CREATE TABLE address (
   city        text NOT NULL
 );
 
+-- Hydration reads an aggregate's addresses by customer_id (`skein
+-- validate` notes a join no index serves).
+CREATE INDEX address_customer_id ON address (customer_id);
+
 CREATE TABLE address_line (
   address_id integer NOT NULL,
   line_no    integer NOT NULL,

@@ -125,6 +125,9 @@ async fn validate_postgres(cfg: &Config, pg: &PostgresSource) -> Result<Validati
             }
         }
     }
+    if catalog_problems.is_empty() {
+        v.notes.extend(unindexed_joins(cfg, &client).await?);
+    }
     let slot = &pg.slot;
     let status = client
         .query_opt(q::SLOT_WAL_STATUS, &[slot])
@@ -140,6 +143,41 @@ async fn validate_postgres(cfg: &Config, pg: &PostgresSource) -> Result<Validati
         Some(_) => {}
     }
     Ok(v)
+}
+
+/// A note per join whose rows hydration reads by columns no index of the
+/// table begins with: every batch reading that join scans the whole table.
+async fn unindexed_joins(cfg: &Config, client: &tokio_postgres::Client) -> Result<Vec<String>> {
+    let mut notes = vec![];
+    for e in &cfg.entities {
+        for j in &e.joins {
+            let schema = j.schema.as_deref().unwrap_or(&e.schema);
+            let cols: Vec<String> = j.on.iter().map(|o| o.name.clone()).collect();
+            let indexed: bool = client
+                .query_one(
+                    skein_sql::postgres::admin::INDEXED_BY,
+                    &[&schema, &j.table, &cols],
+                )
+                .await
+                .map_err(src("reading the indexes of a joined table"))?
+                .get(0);
+            if !indexed {
+                let quoted: Vec<String> = cols.iter().map(|c| format!("\"{c}\"")).collect();
+                notes.push(format!(
+                    "`{}.{}` reads {schema}.{} by ({}), and no index of the table begins with \
+                     those columns: each batch that reads the join scans the whole table.\n\
+                     Fix: CREATE INDEX ON \"{schema}\".\"{}\" ({});",
+                    e.name,
+                    j.name,
+                    j.table,
+                    cols.join(", "),
+                    j.table,
+                    quoted.join(", ")
+                ));
+            }
+        }
+    }
+    Ok(notes)
 }
 
 /// How far the sidecar says the pipeline has applied, for [`status`].
