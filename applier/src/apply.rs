@@ -21,6 +21,7 @@ use crate::event::{event_text, EventContext};
 use crate::fresh::{fresh, Fresh};
 use crate::hydrate::{EntityHydrator, Source};
 use crate::identifiers::{namespace, Plan, Wanted};
+use crate::known::KnownVersions;
 use crate::sidecar::{BatchCommit, IdentifierRow, OutboxRow, Progress, Sidecar, VersionRow};
 use serde_json::Value;
 
@@ -270,6 +271,8 @@ pub struct Applier<S: Sidecar> {
     /// The snapshot each aggregate was last decided in, while this
     /// applier owns the partition.
     coverage: Coverage,
+    /// The stored versions this owner read or wrote.
+    known: KnownVersions,
 }
 
 impl<S: Sidecar> Applier<S> {
@@ -299,6 +302,7 @@ impl<S: Sidecar> Applier<S> {
             progress: None,
             claimed: false,
             coverage: Coverage::default(),
+            known: KnownVersions::default(),
         })
     }
 
@@ -395,7 +399,15 @@ impl<S: Sidecar> Applier<S> {
     /// again), and what it decided: another writer may have moved on.
     pub fn reset_progress(&mut self) {
         self.progress = None;
+        self.forget();
+    }
+
+    /// Forgets what this owner remembers of its aggregates (coverage and
+    /// stored versions): another writer may have moved on, or a commit's
+    /// outcome is unknown.
+    fn forget(&mut self) {
         self.coverage.clear();
+        self.known.clear();
     }
 
     /// The partition changed hands (assigned or revoked): forget the
@@ -403,7 +415,7 @@ impl<S: Sidecar> Applier<S> {
     pub fn taken_over(&mut self) {
         self.progress = None;
         self.claimed = false;
-        self.coverage.clear();
+        self.forget();
     }
 
     /// Applies one delivery: drops what the committed progress covers
@@ -522,7 +534,7 @@ impl<S: Sidecar> Applier<S> {
         let partitions = self.cfg.transport.partitions();
         let page = i64::try_from(self.cfg.extractor.max_batch_changes.max(1)).unwrap_or(i64::MAX);
         // The re-check decides aggregates no record names.
-        self.coverage.clear();
+        self.forget();
         let at = self.progress().await?;
         let mut after = at
             .filter(|p| p.source == Some(notice.position))
@@ -848,6 +860,8 @@ impl<S: Sidecar> Applier<S> {
         let mut decided = vec![];
         // Per aggregate read: whether its snapshot covers it afterwards.
         let mut remembered: Vec<(String, RootKey, bool)> = vec![];
+        // Stored versions read from the sidecar.
+        let mut learned: Vec<(String, String, Option<crate::decide::Stored>)> = vec![];
         let mut wanted = vec![];
         let mut dangling: HashSet<Wanted> = HashSet::new();
         for ((entity, idxs, keys), current) in by_entity.into_iter().zip(hydrated) {
@@ -855,7 +869,15 @@ impl<S: Sidecar> Applier<S> {
                 return Err(Error::Data(format!("record for unknown entity `{entity}`")));
             };
             let canon: Vec<String> = keys.iter().map(|k| k.canonical()).collect();
-            let stored = self.sidecar.versions(entity, &canon).await?;
+            let (mut stored, unknown) = self.known.split(entity, &canon);
+            if !unknown.is_empty() {
+                let mut read = self.sidecar.versions(entity, &unknown).await?;
+                for k in unknown {
+                    let v = read.remove(&k);
+                    learned.push((entity.to_string(), k.clone(), v.clone()));
+                    stored.insert(k, v);
+                }
+            }
             let mapped = h.entity().identifier_mapping;
             let root_ns = crate::identifiers::namespace(&h.entity().schema, &h.entity().table);
             let global = if mapped {
@@ -871,10 +893,18 @@ impl<S: Sidecar> Applier<S> {
                 }
                 let delete = h.delete_payload(&c.key);
                 let d = match c.explicit {
-                    Some(republish) => {
-                        decide_explicit(&mut cur, stored.get(ck), &delete, republish)
-                    }
-                    None => decide(c, &mut cur, stored.get(ck), &delete),
+                    Some(republish) => decide_explicit(
+                        &mut cur,
+                        stored.get(ck).and_then(Option::as_ref),
+                        &delete,
+                        republish,
+                    ),
+                    None => decide(
+                        c,
+                        &mut cur,
+                        stored.get(ck).and_then(Option::as_ref),
+                        &delete,
+                    ),
                 };
                 let Some(d) = d else {
                     tally.entry(entity).or_default().1 += 1;
@@ -1001,8 +1031,10 @@ impl<S: Sidecar> Applier<S> {
         let batch_id = match result {
             Ok(id) => id,
             Err(e) => {
-                // Unknown outcome or fenced: read progress again next time.
+                // Unknown outcome or fenced: read progress again next
+                // time, and the versions.
                 self.progress = None;
+                self.forget();
                 return Err(e);
             }
         };
@@ -1010,6 +1042,17 @@ impl<S: Sidecar> Applier<S> {
         if let Some(s) = &snapshot {
             self.coverage.decided(s, remembered);
         }
+        self.known.record(learned);
+        self.known.record(commit.versions.iter().map(|v| {
+            (
+                v.entity.clone(),
+                v.key.clone(),
+                Some(crate::decide::Stored {
+                    etag: v.etag.clone(),
+                    is_deleted: v.is_deleted,
+                }),
+            )
+        }));
         record_metrics(&commit, batch.trigger, &tally, dropped, started.elapsed());
         // An explicit batch before the partition's first commit wrote no
         // progress row (it only locked the absent one): there is none.

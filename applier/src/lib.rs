@@ -27,6 +27,7 @@ pub mod explicit;
 pub mod fresh;
 pub mod hydrate;
 pub mod identifiers;
+pub mod known;
 pub mod relay;
 pub mod run;
 pub mod sidecar;
