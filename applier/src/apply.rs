@@ -402,6 +402,18 @@ impl<S: Sidecar> Applier<S> {
         self.forget();
     }
 
+    /// After a fence: another applier took the partition. The next read of
+    /// the progress claims it again (a new epoch) rather than adopting the
+    /// other's: an applier that carried on under the other's epoch would
+    /// not be fenced by its commits that leave the position where it is
+    /// (explicit keys, TRUNCATE re-check pages), and would decide on
+    /// stored versions it no longer knows. Two appliers that both go on
+    /// fence each other in turn until one stops (over Kafka, the revoked
+    /// one); each commit is still made from the stored progress.
+    pub fn fenced(&mut self) {
+        self.taken_over();
+    }
+
     /// Forgets what this owner remembers of its aggregates (coverage and
     /// stored versions): another writer may have moved on, or a commit's
     /// outcome is unknown.

@@ -210,7 +210,7 @@ pub async fn run<I: Inbox>(
                     Err(e) => match after_failure(&e) {
                         AfterFailure::Reseek => {
                             warn!(partition = p, error = %e, "fenced: another applier moved this partition's progress; nothing was written, re-seeking");
-                            a.reset_progress();
+                            a.fenced();
                             match inbox.committed(p, Err(e.to_string())).await {
                                 Ok(()) => reseek(&mut a, p, inbox).await,
                                 Err(e) => Err(e.into()),
@@ -273,7 +273,7 @@ async fn explicit_pass<I: Inbox>(
             Ok(done) => busy |= done.records > 0,
             Err(e) if after_failure(&e) == AfterFailure::Reseek => {
                 warn!(partition = p, error = %e, "fenced while publishing explicit keys: another applier moved this partition's progress; nothing was written, re-seeking");
-                a.reset_progress();
+                a.fenced();
                 reseek(a, p, inbox).await?;
             }
             Err(e) => {
