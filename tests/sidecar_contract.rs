@@ -483,6 +483,57 @@ async fn postgres_sidecar_purges_only_relayed_rows_past_their_retention() {
     assert_eq!(relay_all(&mut sc).await.len(), 2);
 }
 
+/// A stopping relay sends what is pending for a few seconds, not all of
+/// it: a stop with a long backlog of sends (a slow sink) ends cleanly,
+/// before the process's stop deadline (15 s), and what was not sent stays
+/// pending for the next start.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopping_relay_leaves_a_long_backlog_pending() {
+    let url = pg_db("skein_t_contract_stop_drain").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    // 40 rows, one per send, 0.5 s a send: 20 s to send them all.
+    let mut expected = None;
+    for i in 0..20u32 {
+        let position = i128::from(i + 1) * 10;
+        sc.commit(&batch(
+            expected,
+            position,
+            pg_lsn(u8::try_from(i).unwrap() + 1),
+            2 * i + 1,
+            i + 1,
+        ))
+        .await
+        .unwrap();
+        expected = Some(position);
+    }
+    let log: Arc<Mutex<Vec<(&'static str, SinkEvent)>>> = Arc::default();
+    let cancel = CancellationToken::new();
+    let relay = tokio::spawn(run_relay(
+        PgSidecar::connect(&url, "skein").await.unwrap(),
+        Box::new(Tagged("r", log.clone(), Duration::from_millis(500))),
+        settings(1),
+        RelayScope::All,
+        "stop drain".into(),
+        cancel.clone(),
+    ));
+    while log.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t0 = std::time::Instant::now();
+    cancel.cancel();
+    relay.await.unwrap().unwrap();
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "the relay took {took:?} to stop"
+    );
+    let sent = log.lock().unwrap().len() as i64;
+    let (pending, _) = sc.pending().await.unwrap();
+    assert!(pending > 0, "a backlog is left pending ({sent} sent)");
+    assert_eq!(sent + pending, 40, "sent {sent}, pending {pending}");
+}
+
 /// A fresh database; its URL.
 async fn pg_db(db: &str) -> Secret {
     let admin = connect(&admin_url()).await;

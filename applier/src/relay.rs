@@ -52,6 +52,11 @@ pub async fn relay_once<S: Sidecar>(
     sidecar.relay_once(limit, owned.as_deref(), sink).await
 }
 
+/// How long a stopping relay goes on sending what is pending: a stop with
+/// a large backlog of sends ends in time (the process exits 15 s after
+/// the signal at the latest), and the rest is sent at the next start.
+const STOP_DRAIN: Duration = Duration::from_secs(5);
+
 /// How often a running relay refreshes its reported state.
 const HEARTBEAT: Duration = Duration::from_secs(10);
 
@@ -111,7 +116,8 @@ pub fn is_transient(e: &Error) -> bool {
     matches!(e, Error::Sink { .. })
 }
 
-/// Relays until cancelled, then drains what is pending once more. A
+/// Relays until cancelled, then drains what is pending for at most
+/// [`STOP_DRAIN`]. A
 /// transient failure is retried with exponential backoff (the rows stay
 /// pending and keep their order); any other stops the relay with the
 /// error. Its state and last error are reported to the sidecar under
@@ -166,6 +172,7 @@ pub async fn run_relay<S: Sidecar + Send>(
         let mut total = 0usize;
         let mut backoff = BACKOFF.0;
         let mut failures = 0u32;
+        let mut stop_seen: Option<Instant> = None;
         loop {
             let n = match relay_once(&mut sidecar, sink.as_mut(), settings.batch, &scope).await {
                 Ok(n) => {
@@ -200,11 +207,18 @@ pub async fn run_relay<S: Sidecar + Send>(
                 (failures, backoff) = (0, BACKOFF.0);
             }
             total += n;
-            if n > 0 {
+            // Stopping: what is pending goes out for at most STOP_DRAIN,
+            // then the rest waits for the next start (it stays pending).
+            let draining = cancel.is_cancelled();
+            if draining {
+                stop_seen.get_or_insert_with(Instant::now);
+            }
+            let drained_enough = stop_seen.is_some_and(|t| t.elapsed() > STOP_DRAIN);
+            if n > 0 && !drained_enough {
                 tracing::debug!(sent = n, "relayed");
                 continue;
             }
-            if cancel.is_cancelled() {
+            if draining {
                 break;
             }
             // A heartbeat: `updated_at` tells a live relay from one that was

@@ -185,7 +185,8 @@ pub fn shutdown_token() -> CancellationToken {
         error!(
             deadline = ?STOP_DEADLINE,
             "{why}: exiting without a clean stop; nothing is lost, the next start \
-             goes on from the last committed batch (is a broker or database out of reach?)"
+             goes on from the last committed batch (a broker or database out of reach, or a \
+             batch that takes longer than that?)"
         );
         std::process::exit(1);
     });
