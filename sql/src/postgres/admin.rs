@@ -35,13 +35,17 @@ pub const SLOT_RETENTION: &str =
 /// The server's current WAL end.
 pub const CURRENT_WAL_LSN: &str = "SELECT pg_current_wal_lsn()::text";
 
-/// Whether table `$1`.`$2` has a valid index whose leading columns are the
-/// columns in the array `$3`, in any order: an index hydration can read a
-/// join's rows by.
+/// Whether table `$1`.`$2` has a valid btree index, not partial, whose
+/// leading columns are the columns in the array `$3`, in any order: an
+/// index hydration can read a join's rows by. (A partial index serves only
+/// its predicate's rows; GIN, GiST and BRIN do not serve these probes.)
 pub const INDEXED_BY: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
      JOIN pg_catalog.pg_class c ON c.oid = i.indrelid \
      JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-     WHERE n.nspname = $1 AND c.relname = $2 AND i.indisvalid \
+     JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid \
+     JOIN pg_catalog.pg_am am ON am.oid = ic.relam \
+     WHERE n.nspname = $1 AND c.relname = $2 AND i.indisvalid AND i.indpred IS NULL \
+     AND am.amname = 'btree' \
      AND i.indnkeyatts >= cardinality($3::text[]) \
      AND (SELECT coalesce(array_agg(a.attname::text), '{}') \
           FROM unnest((i.indkey::int2[])[0:cardinality($3::text[]) - 1]) AS k(attnum) \
