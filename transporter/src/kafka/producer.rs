@@ -7,7 +7,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 
-use super::codec::{encode, Envelope};
+use super::codec::BatchHead;
 use super::{kafka, KafkaTransportError};
 use crate::{Batch, Error, Result, Transport};
 
@@ -84,26 +84,18 @@ impl Transport for KafkaTransport {
     /// partition); the ack waits until the broker acknowledged all of them.
     async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
         let mut pending = Vec::with_capacity(batch.records.len());
+        // What every record of the batch shares, encoded once.
+        let head = BatchHead::new(batch.lower, batch.upper, batch.has_data_loss);
         if batch.has_data_loss {
-            let notice = encode(&Envelope {
-                lower: batch.lower,
-                upper: batch.upper,
-                has_data_loss: true,
-                record: None,
-            });
+            let notice = head.encode(None);
             for p in 0..self.partitions {
                 pending.push(self.produce(p, "", &notice).await?);
             }
         }
-        for r in batch.records {
+        for r in &batch.records {
             let key = r.transport_key();
             let partition = r.partition(self.partitions);
-            let payload = encode(&Envelope {
-                lower: batch.lower,
-                upper: batch.upper,
-                has_data_loss: batch.has_data_loss,
-                record: Some(r),
-            });
+            let payload = head.encode(Some(r));
             pending.push(self.produce(partition, &key, &payload).await?);
         }
         let topic = self.topic.clone();
