@@ -138,12 +138,18 @@ impl Env {
 
     /// [`Env::new`] with batches of at most `changes` changes, started once
     /// (so its slot exists) and stopped: what is written next is a backlog
-    /// the next start reads in batches of that size.
+    /// the next start reads in batches of that size. Over Kafka an applier
+    /// takes at most `changes` records per delivery too, so it sees the
+    /// batches one by one as in process, instead of the whole backlog.
     pub async fn stopped_with_batches_of(name: &str, changes: usize) -> Env {
         let env = Env::new(name, |y| {
             y.replace(
                 "state_dir:",
                 &format!("extractor: {{ max_batch_changes: {changes} }}\nstate_dir:"),
+            )
+            .replace(
+                "  batch_wait_ms: 20\n",
+                &format!("  batch_wait_ms: 20\n  max_batch_records: {changes}\n"),
             )
         })
         .await;
