@@ -143,3 +143,41 @@ async fn validate_reports_wal_level_not_logical() {
         "{text}"
     );
 }
+
+/// A partitioned joined table: indexes on each partition serve the join as
+/// well as one on the parent does, so neither gets the note; a partition
+/// without one does.
+#[tokio::test(flavor = "multi_thread")]
+async fn validate_counts_the_indexes_of_a_partitioned_table() {
+    let env = Env::new("validate_partitioned", |y| y).await;
+    // `contact` is read by customer_id; its primary key begins with kind.
+    env.exec(
+        "DROP TABLE contact; \
+         CREATE TABLE contact (customer_id integer NOT NULL, kind text NOT NULL, value text NOT NULL, \
+           PRIMARY KEY (kind, customer_id)) \
+           PARTITION BY LIST (kind); \
+         CREATE TABLE contact_email PARTITION OF contact FOR VALUES IN ('email'); \
+         CREATE TABLE contact_other PARTITION OF contact DEFAULT",
+    )
+    .await;
+    let (_, text) = run_validate(&env);
+    assert!(text.contains("public.contact by (customer_id)"), "{text}");
+    // One partition indexed: the other is still scanned.
+    env.exec("CREATE INDEX ON contact_email (customer_id)")
+        .await;
+    let (_, text) = run_validate(&env);
+    assert!(text.contains("public.contact by (customer_id)"), "{text}");
+    // Every partition indexed, the parent not: served.
+    env.exec("CREATE INDEX ON contact_other (customer_id, kind)")
+        .await;
+    let (_, text) = run_validate(&env);
+    assert!(!text.contains("public.contact by"), "{text}");
+    // An index on the parent (it creates one on each partition): served.
+    env.exec(
+        "DROP INDEX contact_email_customer_id_idx, contact_other_customer_id_kind_idx; \
+              CREATE INDEX ON contact (customer_id)",
+    )
+    .await;
+    let (_, text) = run_validate(&env);
+    assert!(!text.contains("public.contact by"), "{text}");
+}

@@ -35,19 +35,39 @@ pub const SLOT_RETENTION: &str =
 /// The server's current WAL end.
 pub const CURRENT_WAL_LSN: &str = "SELECT pg_current_wal_lsn()::text";
 
-/// Whether table `$1`.`$2` has a valid btree index, not partial, whose
-/// leading columns are the columns in the array `$3`, in any order: an
-/// index hydration can read a join's rows by. (A partial index serves only
-/// its predicate's rows; GIN, GiST and BRIN do not serve these probes.)
-pub const INDEXED_BY: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
-     JOIN pg_catalog.pg_class c ON c.oid = i.indrelid \
-     JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-     JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid \
-     JOIN pg_catalog.pg_am am ON am.oid = ic.relam \
-     WHERE n.nspname = $1 AND c.relname = $2 AND i.indisvalid AND i.indpred IS NULL \
-     AND am.amname = 'btree' \
-     AND i.indnkeyatts >= cardinality($3::text[]) \
-     AND (SELECT coalesce(array_agg(a.attname::text), '{}') \
-          FROM unnest((i.indkey::int2[])[0:cardinality($3::text[]) - 1]) AS k(attnum) \
-          JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum) \
-         @> $3::text[])";
+/// `EXISTS (…)`: relation `$rel` has a valid, non-partial btree index whose
+/// leading key columns are the names in the array `$3` (see [`INDEXED_BY`]).
+macro_rules! indexed_by {
+    ($rel:literal) => {
+        concat!(
+            "EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
+             JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid \
+             JOIN pg_catalog.pg_am am ON am.oid = ic.relam \
+             WHERE i.indrelid = ",
+            $rel,
+            " AND i.indisvalid AND i.indpred IS NULL AND am.amname = 'btree' \
+             AND i.indnkeyatts >= cardinality($3::text[]) \
+             AND (SELECT coalesce(array_agg(a.attname::text), '{}') \
+                  FROM unnest((i.indkey::int2[])[0:cardinality($3::text[]) - 1]) AS k(attnum) \
+                  JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) \
+                 @> $3::text[])"
+        )
+    };
+}
+
+/// Whether hydration can read a join's rows from table `$1`.`$2` by an
+/// index: the table has a valid btree index, not partial, whose leading
+/// columns are the columns in the array `$3`, in any order, or it is
+/// partitioned and every leaf partition has one (an index created on each
+/// partition instead of on the parent serves the probes as well). A
+/// partial index serves only its predicate's rows; GIN, GiST and BRIN do
+/// not serve these probes. False for a table that does not exist.
+pub const INDEXED_BY: &str = concat!(
+    "SELECT coalesce((SELECT ",
+    indexed_by!("c.oid"),
+    " OR (c.relkind = 'p' AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_tree(c.oid) AS p \
+     WHERE p.isleaf AND NOT ",
+    indexed_by!("p.relid"),
+    ")) FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+     WHERE n.nspname = $1 AND c.relname = $2), false)"
+);
