@@ -38,8 +38,7 @@ impl SyncStandby {
         .await
         .unwrap();
         c.batch_execute("SELECT pg_reload_conf()").await.unwrap();
-        // The reload reaches every backend at its next command.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        settled(admin, name).await;
         SyncStandby {
             admin: admin.to_string(),
             _one: one,
@@ -59,11 +58,37 @@ impl Drop for SyncStandby {
                     .await
                     .unwrap();
                 c.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+                settled(&admin, "").await;
             });
         })
         .join()
         .unwrap();
     }
+}
+
+/// Waits until the server's `synchronous_standby_names` is `value` (a new
+/// session sees it once the postmaster reloaded) and a moment more: the
+/// reload is signalled to every backend, and one takes it before its next
+/// command (one it has already read still runs with the old value).
+async fn settled(admin: &str, value: &str) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let now: String = connect(admin)
+            .await
+            .query_one("SHOW synchronous_standby_names", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if now == value {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "synchronous_standby_names is still `{now}`, 10 s after the reload"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
 }
 
 /// Runs `sql` on a connection of its own, in the background: with a
