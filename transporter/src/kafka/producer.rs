@@ -20,6 +20,31 @@ pub fn reliable_producer_config(config: &ClientConfig) -> ClientConfig {
     c
 }
 
+/// [`reliable_producer_config`], and no record of a partition ever fails
+/// alone: `enable.gapless.guarantee` turns an error that would fail one
+/// record (a record the broker rejects) into a fatal error that fails it
+/// and every record after it, and `message.timeout.ms: 0` keeps records
+/// from timing out, which that guarantee does not cover (librdkafka's
+/// INTRODUCTION.md, "Gap-less" and "Message timeout considerations").
+///
+/// A record that failed while a later one of its partition was written
+/// would leave a gap the appliers cannot see: the later record moves the
+/// partition's progress, and the failed one, re-sent from the marker after
+/// the extractor's restart, falls below it and is dropped as applied. With
+/// no gap, a failed acknowledgement means that nothing after the failed
+/// record was written either, so re-sending from the first unacknowledged
+/// batch is safe, with any number of batches in flight. A broker away for
+/// long keeps the records waiting (the extractor's lag says so; a stop
+/// ends within its deadline); `skein validate` refuses properties that
+/// would undo this.
+pub fn gapless_producer_config(config: &ClientConfig) -> ClientConfig {
+    let mut c = reliable_producer_config(config);
+    c.set("enable.gapless.guarantee", "true")
+        .set("message.timeout.ms", "0");
+    c.remove("delivery.timeout.ms");
+    c
+}
+
 /// The extractor side over Kafka.
 pub struct KafkaTransport {
     producer: FutureProducer,
@@ -28,17 +53,15 @@ pub struct KafkaTransport {
 }
 
 impl KafkaTransport {
-    /// An idempotent, `acks=all` producer for `topic`.
+    /// An idempotent, `acks=all`, gapless producer for `topic`, whose
+    /// records never time out (see [`gapless_producer_config`]).
     pub fn new(
         config: &ClientConfig,
         topic: &str,
         partitions: u32,
     ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
-        let mut c = reliable_producer_config(config);
+        let mut c = gapless_producer_config(config);
         c.set("max.in.flight.requests.per.connection", "5");
-        if c.get("message.timeout.ms").is_none() {
-            c.set("message.timeout.ms", "120000");
-        }
         Ok(KafkaTransport {
             producer: c.create().map_err(kafka("creating the producer"))?,
             topic: topic.into(),
@@ -69,17 +92,6 @@ impl KafkaTransport {
 }
 
 impl Transport for KafkaTransport {
-    /// One: batches over Kafka are not pipelined. A batch whose delivery
-    /// fails (a leader gone past `message.timeout.ms`) while a later batch
-    /// is written would leave a gap no applier sees: the later records move
-    /// the partition's progress, and the failed ones, re-sent after the
-    /// restart, fall below it and are dropped as applied. Until the
-    /// appliers detect such a gap, a batch is produced only after the one
-    /// before it was acknowledged.
-    fn max_in_flight(&self) -> usize {
-        1
-    }
-
     /// Produces every record (and, after a loss, a notice to every
     /// partition); the ack waits until the broker acknowledged all of them.
     async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
