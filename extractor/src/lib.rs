@@ -31,7 +31,7 @@ use skein_sql::Catalog;
 use skein_transporter::{Ack, Batch, Transport};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span, Instrument};
+use tracing::{info, info_span, warn, Instrument};
 
 pub use error::{Error, Result};
 pub use marker::{InFlight, Marker, MarkerStore, SledMarkerStore};
@@ -330,6 +330,15 @@ pub async fn run<S: ChangeSource + Send, T: Transport + Sync>(
     .await
 }
 
+/// How long a batch's acknowledgement is awaited before the extractor says
+/// it is still waiting (and again after as long).
+const ACK_WAIT_WARN: Duration = Duration::from_secs(30);
+
+/// How long the acknowledgements in flight are still awaited after the
+/// reader failed: an acknowledger's error (an applier gone) is the better
+/// cause when there is one.
+const READER_FAILED_GRACE: Duration = Duration::from_secs(5);
+
 /// Pipelined batches: the reader reads and resolves the next batch while
 /// the transport works on the ones before it, at most `window` of them; the
 /// acknowledger stores the marker and frees the slot strictly in the order
@@ -368,8 +377,26 @@ async fn pipeline<S: ChangeSource + Send, T: Transport + Sync>(
         &durable,
         &stop,
     );
+    // A reader that failed (the source lost, a marker error) does not wait
+    // for acknowledgements without end (a broker away): after
+    // READER_FAILED_GRACE its error is the cause, and the batches still in
+    // flight are sent again at the next start.
+    let reader_failed = CancellationToken::new();
+    let reader = async {
+        let r = reader.await;
+        if r.is_err() {
+            reader_failed.cancel();
+        }
+        r
+    };
     let (read, acked) = tokio::join!(reader, async {
-        let r = acknowledge(markers, acks, &durable).await;
+        let r = tokio::select! {
+            r = acknowledge(markers, acks, &durable) => r,
+            _ = async {
+                reader_failed.cancelled().await;
+                tokio::time::sleep(READER_FAILED_GRACE).await;
+            } => Ok(None),
+        };
         if r.is_err() {
             stop.cancel();
         }
@@ -534,8 +561,20 @@ async fn acknowledge(
             t0,
             _slot,
         } = sent;
-        if let Some(ack) = ack {
-            ack.await?;
+        if let Some(mut ack) = ack {
+            // A broker away keeps records waiting (they never time out
+            // over Kafka): said every ACK_WAIT_WARN, not silently.
+            let waiting = Instant::now();
+            loop {
+                tokio::select! {
+                    r = &mut ack => { r?; break; }
+                    _ = tokio::time::sleep(ACK_WAIT_WARN) => warn!(
+                        batch = seq,
+                        waiting_s = waiting.elapsed().as_secs(),
+                        "the transport has not acknowledged this batch yet (a broker away?); waiting"
+                    ),
+                }
+            }
             // Only a batch the transport acknowledged has a window between
             // its ack and the marker (a batch of untracked transactions
             // sends nothing).
@@ -608,6 +647,8 @@ mod tests {
     struct Scripted {
         confirmed: Vec<SourcePosition>,
         stall_at: Option<u64>,
+        /// From here on, a read fails (the source lost).
+        fail_at: Option<u64>,
     }
 
     impl ChangeSource for Scripted {
@@ -631,6 +672,9 @@ mod tests {
             };
             if self.stall_at.is_some_and(|s| l >= s) {
                 std::future::pending::<()>().await;
+            }
+            if self.fail_at.is_some_and(|s| l >= s) {
+                return Err(Error::Decode("the source connection was lost".into()));
             }
             let upper = pos(l + 1);
             Ok(ReadBatch {
@@ -840,6 +884,32 @@ mod tests {
         let err = result.unwrap_err().to_string();
         assert!(err.contains("the applier is gone"), "{err}");
         assert_eq!(transport.submitted(), vec![1]);
+    }
+
+    /// Over Kafka records never time out: with the broker away an ack may
+    /// never come. A failed read still stops the extractor with its error,
+    /// READER_FAILED_GRACE later, instead of waiting for the broker.
+    #[tokio::test]
+    async fn a_failed_read_does_not_wait_for_an_ack_without_end() {
+        let transport = Held::default();
+        let markers = Markers::default();
+        let cancel = CancellationToken::new();
+        let mut source = Scripted {
+            fail_at: Some(1),
+            ..Scripted::default()
+        };
+        let t0 = Instant::now();
+        let result = tokio::time::timeout(
+            READER_FAILED_GRACE + Duration::from_secs(5),
+            from_zero(&mut source, &transport, &markers, 2, &cancel),
+        )
+        .await
+        .expect("a failed read waited for an ack that never came");
+        let err = result.unwrap_err().to_string();
+        assert!(err.contains("connection was lost"), "{err}");
+        assert!(t0.elapsed() >= READER_FAILED_GRACE, "{:?}", t0.elapsed());
+        assert_eq!(transport.submitted(), vec![1]);
+        assert!(markers.0.lock().unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -735,6 +735,8 @@ entities:
             "delivery.timeout.ms: \"300000\"",
             "enable.gapless.guarantee: \"false\"",
             "enable.idempotence: \"false\"",
+            "retries: \"3\"",
+            "message.send.max.retries: \"10\"",
         ] {
             let e = with_props(props).unwrap_err().to_string();
             let prop = props.split(':').next().unwrap();

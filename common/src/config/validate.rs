@@ -115,12 +115,17 @@ impl RawConfig {
             // record that failed while a later one of its partition was
             // written leaves a gap the appliers cannot see (they drop the
             // re-sent record as applied). librdkafka guarantees that only
-            // with `enable.gapless.guarantee` and no message timeout.
+            // with `enable.gapless.guarantee`, no message timeout and
+            // retries without end.
             for (prop, ok) in [
                 ("message.timeout.ms", "0"),
                 ("delivery.timeout.ms", "0"),
                 ("enable.gapless.guarantee", "true"),
                 ("enable.idempotence", "true"),
+                // Retries without end: a record whose retries ran out on
+                // transient errors fails alone, gapless or not.
+                ("retries", "2147483647"),
+                ("message.send.max.retries", "2147483647"),
             ] {
                 if let Some(v) = self.transport.kafka_properties.get(prop) {
                     if v.expose() != ok {

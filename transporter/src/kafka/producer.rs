@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::future_producer::OwnedDeliveryResult;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 
@@ -22,10 +23,11 @@ pub fn reliable_producer_config(config: &ClientConfig) -> ClientConfig {
 
 /// [`reliable_producer_config`], and no record of a partition ever fails
 /// alone: `enable.gapless.guarantee` turns an error that would fail one
-/// record (a record the broker rejects) into a fatal error that fails it
-/// and every record after it, and `message.timeout.ms: 0` keeps records
-/// from timing out, which that guarantee does not cover (librdkafka's
-/// INTRODUCTION.md, "Gap-less" and "Message timeout considerations").
+/// record (a record the broker rejects) into a fatal error after which no
+/// record is written, `message.timeout.ms: 0` keeps records from timing
+/// out, and retries never run out (librdkafka's default): the guarantee
+/// covers neither of those (librdkafka's INTRODUCTION.md, "Gap-less" and
+/// "Message timeout considerations"; it calls the guarantee experimental).
 ///
 /// A record that failed while a later one of its partition was written
 /// would leave a gap the appliers cannot see: the later record moves the
@@ -41,9 +43,17 @@ pub fn gapless_producer_config(config: &ClientConfig) -> ClientConfig {
     let mut c = reliable_producer_config(config);
     c.set("enable.gapless.guarantee", "true")
         .set("message.timeout.ms", "0");
-    c.remove("delivery.timeout.ms");
+    // Aliases and limits that would let a record fail alone after
+    // transient errors: librdkafka's defaults (retry without end) instead.
+    for key in ["delivery.timeout.ms", "retries", "message.send.max.retries"] {
+        c.remove(key);
+    }
     c
 }
+
+/// How often a pending acknowledgement looks for the producer's fatal
+/// error.
+const FATAL_CHECK: Duration = Duration::from_secs(1);
 
 /// The extractor side over Kafka.
 pub struct KafkaTransport {
@@ -111,29 +121,105 @@ impl Transport for KafkaTransport {
             pending.push(self.produce(partition, &key, &payload).await?);
         }
         let topic = self.topic.clone();
+        let producer = self.producer.clone();
         Ok(Box::pin(async move {
-            for f in pending {
-                match f.await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err((e, _))) => {
+            delivered(pending, &topic, || producer.client().fatal_error()).await
+        }))
+    }
+}
+
+/// Awaits `pending` in order. A fatal error fails the records still
+/// queued, but a record already sent and then queued again (its
+/// connection lost) is neither sent again nor failed: it never resolves,
+/// as records never time out. So `fatal` (the producer's fatal error) is
+/// looked at every [`FATAL_CHECK`], and a fatal error fails the wait.
+async fn delivered<F, E>(
+    pending: Vec<F>,
+    topic: &str,
+    fatal: impl Fn() -> Option<(RDKafkaErrorCode, String)>,
+) -> Result<()>
+where
+    F: std::future::Future<Output = std::result::Result<OwnedDeliveryResult, E>> + Unpin,
+{
+    for mut f in pending {
+        let delivered = loop {
+            tokio::select! {
+                d = &mut f => break d,
+                _ = tokio::time::sleep(FATAL_CHECK) => {
+                    if let Some((code, reason)) = fatal() {
                         return Err(Error::Broker {
-                            message: format!("delivery to `{topic}` failed: {e}"),
-                        })
-                    }
-                    Err(_) => {
-                        return Err(Error::Broker {
-                            message: "the producer was dropped before delivery".into(),
-                        })
+                            message: format!(
+                                "the producer of `{topic}` failed ({code:?}: {reason}); no \
+                                 record after the failed one is written, the extractor \
+                                 starts again from its marker"
+                            ),
+                        });
                     }
                 }
             }
-            Ok(())
-        }))
+        };
+        match delivered {
+            Ok(Ok(_)) => {}
+            Ok(Err((e, _))) => {
+                return Err(Error::Broker {
+                    message: format!("delivery to `{topic}` failed: {e}"),
+                })
+            }
+            Err(_) => {
+                return Err(Error::Broker {
+                    message: "the producer was dropped before delivery".into(),
+                })
+            }
+        }
     }
+    Ok(())
 }
 
 impl Drop for KafkaTransport {
     fn drop(&mut self) {
         let _ = self.producer.flush(Timeout::After(Duration::from_secs(10)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The wait for deliveries (pure logic: the producer itself is tested
+    //! against real brokers in tests/kafka.rs).
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// A record that never resolves (sent, then queued again after a fatal
+    /// error): the wait ends with the fatal error once there is one.
+    #[tokio::test]
+    async fn a_fatal_error_ends_the_wait_for_a_record_that_never_resolves() {
+        let failed = AtomicBool::new(false);
+        let never = std::future::pending::<std::result::Result<OwnedDeliveryResult, ()>>();
+        let wait = delivered(vec![Box::pin(never)], "changes", || {
+            failed.load(Ordering::SeqCst).then(|| {
+                (
+                    RDKafkaErrorCode::OutOfOrderSequenceNumber,
+                    "gapless guarantee".to_string(),
+                )
+            })
+        });
+        tokio::pin!(wait);
+        // No fatal error: it waits (past more than one check).
+        assert!(
+            tokio::time::timeout(FATAL_CHECK * 2 + FATAL_CHECK / 2, &mut wait)
+                .await
+                .is_err(),
+            "the wait ended without a delivery or a fatal error"
+        );
+        failed.store(true, Ordering::SeqCst);
+        let err = tokio::time::timeout(FATAL_CHECK * 2, &mut wait)
+            .await
+            .expect("the fatal error did not end the wait")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("gapless guarantee") && err.contains("`changes`"),
+            "{err}"
+        );
     }
 }
