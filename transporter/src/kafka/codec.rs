@@ -2,15 +2,6 @@
 //! the [`Envelope`]. Both schemas are stored formats, frozen: v1 is still
 //! decoded so appliers can be upgraded before extractors.
 
-#[cfg(test)]
-use std::collections::BTreeMap;
-#[cfg(test)]
-use std::sync::LazyLock;
-
-#[cfg(test)]
-use apache_avro::types::Value;
-#[cfg(test)]
-use apache_avro::Schema;
 use skein_common::position::ChangePosition;
 use skein_common::record::{Op, RootKey};
 use skein_common::{ChangeRecord, PgLsn, SourcePosition};
@@ -99,16 +90,6 @@ pub const SCHEMA_V1_JSON: &str = r#"{
     }]}
   ]
 }"#;
-
-#[cfg(test)]
-static SCHEMA: LazyLock<Schema> =
-    LazyLock::new(|| Schema::parse_str(SCHEMA_JSON).expect("the change schema is valid Avro"));
-#[cfg(test)]
-static SCHEMA_V3: LazyLock<Schema> =
-    LazyLock::new(|| Schema::parse_str(SCHEMA_V3_JSON).expect("the v3 schema is valid Avro"));
-#[cfg(test)]
-static SCHEMA_V1: LazyLock<Schema> =
-    LazyLock::new(|| Schema::parse_str(SCHEMA_V1_JSON).expect("the v1 schema is valid Avro"));
 
 /// What travels on the change topic.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -274,49 +255,6 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
     Ok(env)
 }
 
-/// [`decode`] through apache-avro's reader: the reference the hand-written
-/// decoder must agree with.
-#[cfg(test)]
-fn decode_reference(bytes: &[u8]) -> std::result::Result<Envelope, String> {
-    let Some((&format, mut body)) = bytes.split_first() else {
-        return Err("empty message".into());
-    };
-    let schema: &Schema = match format {
-        FORMAT_V1 => &SCHEMA_V1,
-        FORMAT_V2 => &SCHEMA,
-        FORMAT_V3 => &SCHEMA_V3,
-        _ => return Err(format!("unknown format byte {format}")),
-    };
-    Walk {
-        total: body.len(),
-        buf: body,
-    }
-    .datum(schema)
-    .map_err(|e| format!("not a skein change record: {e}"))?;
-    let value = apache_avro::from_avro_datum(schema, &mut body, None)
-        .map_err(|e| format!("not a skein change record: {e}"))?;
-    if !body.is_empty() {
-        return Err(format!("{} trailing bytes after the record", body.len()));
-    }
-    let fields = record_fields(value)?;
-    let lower = position_field(&fields, "lower")?;
-    let upper = position_field(&fields, "upper")?;
-    let has_data_loss = matches!(fields.get("has_data_loss"), Some(Value::Boolean(true)));
-    let record = match fields.get("record") {
-        Some(Value::Union(_, inner)) => match inner.as_ref() {
-            Value::Null => None,
-            v => Some(decode_record(v.clone())?),
-        },
-        other => return Err(format!("field `record`: unexpected {other:?}")),
-    };
-    Ok(Envelope {
-        lower,
-        upper,
-        has_data_loss,
-        record,
-    })
-}
-
 /// Reads a datum of the envelope schemas ([`decode`]), checking that every
 /// length and count it declares fits in the bytes left before it sizes
 /// anything by it: a few corrupt bytes on the topic must not make an
@@ -477,209 +415,273 @@ impl<'a> Walk<'a> {
             }
         }
     }
+}
 
-    #[cfg(test)]
-    fn datum(&mut self, schema: &Schema) -> std::result::Result<(), String> {
-        match schema {
-            Schema::Null => {}
-            Schema::Boolean => {
-                let Some((_, rest)) = self.buf.split_first() else {
-                    return Err(self.fail("truncated boolean"));
-                };
-                self.buf = rest;
-            }
-            Schema::Int | Schema::Long | Schema::Enum(_) => {
-                self.long("integer")?;
-            }
-            Schema::String | Schema::Bytes => {
-                let n = self.len("string length")?;
-                self.buf = &self.buf[n..];
-            }
-            Schema::Union(u) => {
-                let i = self.long("union index")?;
-                let v = usize::try_from(i)
-                    .ok()
-                    .and_then(|i| u.variants().get(i))
-                    .ok_or_else(|| self.fail(&format!("union index {i} out of range")))?;
-                self.datum(v)?;
-            }
-            Schema::Array(a) => loop {
-                let mut n = self.long("array block count")?;
-                if n == 0 {
-                    break;
-                }
-                if n < 0 {
-                    // A negative count is followed by the block's size in bytes.
-                    n = n.checked_neg().unwrap_or(i64::MAX);
-                    self.long("array block size")?;
-                }
-                if usize::try_from(n).map_or(true, |n| n > self.buf.len()) {
-                    return Err(self.fail(&format!(
-                        "array block of {n} items does not fit in the {} bytes left",
-                        self.buf.len()
-                    )));
-                }
-                for _ in 0..n {
-                    self.datum(&a.items)?;
-                }
-            },
-            Schema::Record(r) => {
-                for f in &r.fields {
-                    self.datum(&f.schema)
-                        .map_err(|e| format!("field `{}`: {e}", f.name))?;
-                }
-            }
-            other => return Err(format!("schema type {other:?} is not walked")),
+/// apache-avro's reader and writer of the envelope schemas: the reference
+/// the hand-written [`decode`] and [`BatchHead::encode`] are held to.
+#[cfg(test)]
+mod reference {
+    use std::collections::BTreeMap;
+    use std::sync::LazyLock;
+
+    pub(super) use apache_avro::types::Value;
+    use apache_avro::Schema;
+
+    use super::*;
+
+    pub(super) static SCHEMA: LazyLock<Schema> =
+        LazyLock::new(|| Schema::parse_str(SCHEMA_JSON).expect("the change schema is valid Avro"));
+    pub(super) static SCHEMA_V3: LazyLock<Schema> =
+        LazyLock::new(|| Schema::parse_str(SCHEMA_V3_JSON).expect("the v3 schema is valid Avro"));
+    pub(super) static SCHEMA_V1: LazyLock<Schema> =
+        LazyLock::new(|| Schema::parse_str(SCHEMA_V1_JSON).expect("the v1 schema is valid Avro"));
+
+    /// [`decode`] through apache-avro's reader: the reference the hand-written
+    /// decoder must agree with.
+    pub(super) fn decode_reference(bytes: &[u8]) -> std::result::Result<Envelope, String> {
+        let Some((&format, mut body)) = bytes.split_first() else {
+            return Err("empty message".into());
+        };
+        let schema: &Schema = match format {
+            FORMAT_V1 => &SCHEMA_V1,
+            FORMAT_V2 => &SCHEMA,
+            FORMAT_V3 => &SCHEMA_V3,
+            _ => return Err(format!("unknown format byte {format}")),
+        };
+        Walk {
+            total: body.len(),
+            buf: body,
         }
-        Ok(())
+        .datum(schema)
+        .map_err(|e| format!("not a skein change record: {e}"))?;
+        let value = apache_avro::from_avro_datum(schema, &mut body, None)
+            .map_err(|e| format!("not a skein change record: {e}"))?;
+        if !body.is_empty() {
+            return Err(format!("{} trailing bytes after the record", body.len()));
+        }
+        let fields = record_fields(value)?;
+        let lower = position_field(&fields, "lower")?;
+        let upper = position_field(&fields, "upper")?;
+        let has_data_loss = matches!(fields.get("has_data_loss"), Some(Value::Boolean(true)));
+        let record = match fields.get("record") {
+            Some(Value::Union(_, inner)) => match inner.as_ref() {
+                Value::Null => None,
+                v => Some(decode_record(v.clone())?),
+            },
+            other => return Err(format!("field `record`: unexpected {other:?}")),
+        };
+        Ok(Envelope {
+            lower,
+            upper,
+            has_data_loss,
+            record,
+        })
     }
-}
 
-#[cfg(test)]
-fn record_fields(v: Value) -> std::result::Result<BTreeMap<String, Value>, String> {
-    match v {
-        Value::Record(f) => Ok(f.into_iter().collect()),
-        other => Err(format!("expected a record, got {other:?}")),
-    }
-}
-
-#[cfg(test)]
-fn long_field(f: &BTreeMap<String, Value>, k: &str) -> std::result::Result<i64, String> {
-    match f.get(k) {
-        Some(Value::Long(v)) => Ok(*v),
-        other => Err(format!("field `{k}`: expected a long, got {other:?}")),
-    }
-}
-
-#[cfg(test)]
-/// A position: a PostgreSQL LSN `long` (v1) or the display form (v2).
-fn position_field(
-    f: &BTreeMap<String, Value>,
-    k: &str,
-) -> std::result::Result<SourcePosition, String> {
-    match f.get(k) {
-        Some(Value::Long(v)) => Ok(SourcePosition::Pg(PgLsn::from_i64(*v))),
-        Some(Value::String(s)) => s.parse().map_err(|e| format!("field `{k}`: {e}")),
-        other => Err(format!("field `{k}`: expected a position, got {other:?}")),
-    }
-}
-
-#[cfg(test)]
-fn decode_record(v: Value) -> std::result::Result<ChangeRecord, String> {
-    let f = record_fields(v)?;
-    let string = |k: &str| match f.get(k) {
-        Some(Value::String(s)) => Ok(s.clone()),
-        other => Err(format!("field `{k}`: expected a string, got {other:?}")),
-    };
-    let long = |k: &str| long_field(&f, k);
-    let root_key = match f.get("root_key") {
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|i| match i {
-                Value::Union(_, b) => match b.as_ref() {
-                    Value::Null => Ok(None),
-                    Value::String(s) => Ok(Some(s.clone())),
-                    o => Err(format!("root_key item: unexpected {o:?}")),
+    impl Walk<'_> {
+        /// Walks a datum without building it, checking that every length and
+        /// count it declares fits in the bytes left: apache-avro sizes a
+        /// string's buffer and an array's vector from those fields.
+        fn datum(&mut self, schema: &Schema) -> std::result::Result<(), String> {
+            match schema {
+                Schema::Null => {}
+                Schema::Boolean => {
+                    let Some((_, rest)) = self.buf.split_first() else {
+                        return Err(self.fail("truncated boolean"));
+                    };
+                    self.buf = rest;
+                }
+                Schema::Int | Schema::Long | Schema::Enum(_) => {
+                    self.long("integer")?;
+                }
+                Schema::String | Schema::Bytes => {
+                    let n = self.len("string length")?;
+                    self.buf = &self.buf[n..];
+                }
+                Schema::Union(u) => {
+                    let i = self.long("union index")?;
+                    let v = usize::try_from(i)
+                        .ok()
+                        .and_then(|i| u.variants().get(i))
+                        .ok_or_else(|| self.fail(&format!("union index {i} out of range")))?;
+                    self.datum(v)?;
+                }
+                Schema::Array(a) => loop {
+                    let mut n = self.long("array block count")?;
+                    if n == 0 {
+                        break;
+                    }
+                    if n < 0 {
+                        // A negative count is followed by the block's size in bytes.
+                        n = n.checked_neg().unwrap_or(i64::MAX);
+                        self.long("array block size")?;
+                    }
+                    if usize::try_from(n).map_or(true, |n| n > self.buf.len()) {
+                        return Err(self.fail(&format!(
+                            "array block of {n} items does not fit in the {} bytes left",
+                            self.buf.len()
+                        )));
+                    }
+                    for _ in 0..n {
+                        self.datum(&a.items)?;
+                    }
                 },
-                o => Err(format!("root_key item: unexpected {o:?}")),
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()?,
-        other => return Err(format!("field `root_key`: unexpected {other:?}")),
-    };
-    let op = match f.get("op") {
-        Some(Value::Enum(_, s)) if s == "insert" => Op::Insert,
-        Some(Value::Enum(_, s)) if s == "update" => Op::Update,
-        Some(Value::Enum(_, s)) if s == "delete" => Op::Delete,
-        Some(Value::Enum(_, s)) if s == "truncate" => Op::Truncate,
-        other => return Err(format!("field `op`: unexpected {other:?}")),
-    };
-    let seq = u64::try_from(long("seq")?).map_err(|_| "field `seq` out of range".to_string())?;
-    Ok(ChangeRecord {
-        entity: string("entity")?,
-        root_key: RootKey(root_key),
-        table: string("table")?,
-        op,
-        position: ChangePosition {
-            commit: position_field(&f, "commit")?,
-            seq,
-        },
-        tx_id: long("tx_id")? as u64,
-        commit_time_micros: long("commit_time_micros")?,
-    })
-}
+                Schema::Record(r) => {
+                    for f in &r.fields {
+                        self.datum(&f.schema)
+                            .map_err(|e| format!("field `{}`: {e}", f.name))?;
+                    }
+                }
+                other => return Err(format!("schema type {other:?} is not walked")),
+            }
+            Ok(())
+        }
+    }
 
-/// [`encode`] through apache-avro's `Value`s: the reference the
-/// hand-written encoder must equal byte for byte.
-#[cfg(test)]
-fn encode_reference(e: &Envelope) -> Vec<u8> {
-    let truncate = e.record.as_ref().is_some_and(|r| r.op == Op::Truncate);
-    let record = match &e.record {
-        None => Value::Union(0, Box::new(Value::Null)),
-        Some(r) => Value::Union(
-            1,
-            Box::new(Value::Record(vec![
-                ("entity".into(), Value::String(r.entity.clone())),
-                (
-                    "root_key".into(),
-                    Value::Array(
-                        r.root_key
-                            .0
-                            .iter()
-                            .map(|v| match v {
-                                None => Value::Union(0, Box::new(Value::Null)),
-                                Some(s) => Value::Union(1, Box::new(Value::String(s.clone()))),
-                            })
-                            .collect(),
-                    ),
-                ),
-                ("table".into(), Value::String(r.table.clone())),
-                (
-                    "op".into(),
-                    match r.op {
-                        Op::Insert => Value::Enum(0, "insert".into()),
-                        Op::Update => Value::Enum(1, "update".into()),
-                        Op::Delete => Value::Enum(2, "delete".into()),
-                        Op::Truncate => Value::Enum(3, "truncate".into()),
+    fn record_fields(v: Value) -> std::result::Result<BTreeMap<String, Value>, String> {
+        match v {
+            Value::Record(f) => Ok(f.into_iter().collect()),
+            other => Err(format!("expected a record, got {other:?}")),
+        }
+    }
+
+    fn long_field(f: &BTreeMap<String, Value>, k: &str) -> std::result::Result<i64, String> {
+        match f.get(k) {
+            Some(Value::Long(v)) => Ok(*v),
+            other => Err(format!("field `{k}`: expected a long, got {other:?}")),
+        }
+    }
+
+    /// A position: a PostgreSQL LSN `long` (v1) or the display form (v2).
+    fn position_field(
+        f: &BTreeMap<String, Value>,
+        k: &str,
+    ) -> std::result::Result<SourcePosition, String> {
+        match f.get(k) {
+            Some(Value::Long(v)) => Ok(SourcePosition::Pg(PgLsn::from_i64(*v))),
+            Some(Value::String(s)) => s.parse().map_err(|e| format!("field `{k}`: {e}")),
+            other => Err(format!("field `{k}`: expected a position, got {other:?}")),
+        }
+    }
+
+    fn decode_record(v: Value) -> std::result::Result<ChangeRecord, String> {
+        let f = record_fields(v)?;
+        let string = |k: &str| match f.get(k) {
+            Some(Value::String(s)) => Ok(s.clone()),
+            other => Err(format!("field `{k}`: expected a string, got {other:?}")),
+        };
+        let long = |k: &str| long_field(&f, k);
+        let root_key = match f.get("root_key") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|i| match i {
+                    Value::Union(_, b) => match b.as_ref() {
+                        Value::Null => Ok(None),
+                        Value::String(s) => Ok(Some(s.clone())),
+                        o => Err(format!("root_key item: unexpected {o:?}")),
                     },
-                ),
-                (
-                    "commit".into(),
-                    Value::String(r.position.commit.to_string()),
-                ),
-                (
-                    "seq".into(),
-                    Value::Long(i64::try_from(r.position.seq).unwrap_or(i64::MAX)),
-                ),
-                ("tx_id".into(), Value::Long(r.tx_id as i64)),
-                (
-                    "commit_time_micros".into(),
-                    Value::Long(r.commit_time_micros),
-                ),
-            ])),
-        ),
-    };
-    let value = Value::Record(vec![
-        ("lower".into(), Value::String(e.lower.to_string())),
-        ("upper".into(), Value::String(e.upper.to_string())),
-        ("has_data_loss".into(), Value::Boolean(e.has_data_loss)),
-        ("record".into(), record),
-    ]);
-    let (format, schema) = if truncate {
-        (FORMAT_V3, &*SCHEMA_V3)
-    } else {
-        (FORMAT_V2, &*SCHEMA)
-    };
-    let mut out = vec![format];
-    out.extend(
-        apache_avro::to_avro_datum(schema, value).expect("an envelope always matches its schema"),
-    );
-    out
+                    o => Err(format!("root_key item: unexpected {o:?}")),
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+            other => return Err(format!("field `root_key`: unexpected {other:?}")),
+        };
+        let op = match f.get("op") {
+            Some(Value::Enum(_, s)) if s == "insert" => Op::Insert,
+            Some(Value::Enum(_, s)) if s == "update" => Op::Update,
+            Some(Value::Enum(_, s)) if s == "delete" => Op::Delete,
+            Some(Value::Enum(_, s)) if s == "truncate" => Op::Truncate,
+            other => return Err(format!("field `op`: unexpected {other:?}")),
+        };
+        let seq =
+            u64::try_from(long("seq")?).map_err(|_| "field `seq` out of range".to_string())?;
+        Ok(ChangeRecord {
+            entity: string("entity")?,
+            root_key: RootKey(root_key),
+            table: string("table")?,
+            op,
+            position: ChangePosition {
+                commit: position_field(&f, "commit")?,
+                seq,
+            },
+            tx_id: long("tx_id")? as u64,
+            commit_time_micros: long("commit_time_micros")?,
+        })
+    }
+
+    /// [`encode`] through apache-avro's `Value`s: the reference the
+    /// hand-written encoder must equal byte for byte.
+    pub(super) fn encode_reference(e: &Envelope) -> Vec<u8> {
+        let truncate = e.record.as_ref().is_some_and(|r| r.op == Op::Truncate);
+        let record = match &e.record {
+            None => Value::Union(0, Box::new(Value::Null)),
+            Some(r) => Value::Union(
+                1,
+                Box::new(Value::Record(vec![
+                    ("entity".into(), Value::String(r.entity.clone())),
+                    (
+                        "root_key".into(),
+                        Value::Array(
+                            r.root_key
+                                .0
+                                .iter()
+                                .map(|v| match v {
+                                    None => Value::Union(0, Box::new(Value::Null)),
+                                    Some(s) => Value::Union(1, Box::new(Value::String(s.clone()))),
+                                })
+                                .collect(),
+                        ),
+                    ),
+                    ("table".into(), Value::String(r.table.clone())),
+                    (
+                        "op".into(),
+                        match r.op {
+                            Op::Insert => Value::Enum(0, "insert".into()),
+                            Op::Update => Value::Enum(1, "update".into()),
+                            Op::Delete => Value::Enum(2, "delete".into()),
+                            Op::Truncate => Value::Enum(3, "truncate".into()),
+                        },
+                    ),
+                    (
+                        "commit".into(),
+                        Value::String(r.position.commit.to_string()),
+                    ),
+                    (
+                        "seq".into(),
+                        Value::Long(i64::try_from(r.position.seq).unwrap_or(i64::MAX)),
+                    ),
+                    ("tx_id".into(), Value::Long(r.tx_id as i64)),
+                    (
+                        "commit_time_micros".into(),
+                        Value::Long(r.commit_time_micros),
+                    ),
+                ])),
+            ),
+        };
+        let value = Value::Record(vec![
+            ("lower".into(), Value::String(e.lower.to_string())),
+            ("upper".into(), Value::String(e.upper.to_string())),
+            ("has_data_loss".into(), Value::Boolean(e.has_data_loss)),
+            ("record".into(), record),
+        ]);
+        let (format, schema) = if truncate {
+            (FORMAT_V3, &*SCHEMA_V3)
+        } else {
+            (FORMAT_V2, &*SCHEMA)
+        };
+        let mut out = vec![format];
+        out.extend(
+            apache_avro::to_avro_datum(schema, value)
+                .expect("an envelope always matches its schema"),
+        );
+        out
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use skein_common::SqlServerLsn;
 
+    use super::reference::*;
     use super::*;
 
     fn rec(key: Vec<Option<&str>>) -> ChangeRecord {
