@@ -255,6 +255,11 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
     Ok(env)
 }
 
+/// Names the field an error of [`Walk`] arose in.
+fn field(f: &'static str) -> impl Fn(String) -> String {
+    move |e| format!("field `{f}`: {e}")
+}
+
 /// Reads a datum of the envelope schemas ([`decode`]), checking that every
 /// length and count it declares fits in the bytes left before it sizes
 /// anything by it: a few corrupt bytes on the topic must not make an
@@ -341,7 +346,6 @@ impl<'a> Walk<'a> {
     /// The envelope of [`SCHEMA_JSON`] (`v1`: [`SCHEMA_V1_JSON`]), its
     /// `op` one of the first `ops` symbols.
     fn envelope(&mut self, v1: bool, ops: i64) -> std::result::Result<Envelope, String> {
-        let field = |f: &'static str| move |e: String| format!("field `{f}`: {e}");
         let lower = self.position(v1).map_err(field("lower"))?;
         let upper = self.position(v1).map_err(field("upper"))?;
         let has_data_loss = self.boolean().map_err(field("has_data_loss"))?;
@@ -358,7 +362,6 @@ impl<'a> Walk<'a> {
     }
 
     fn record(&mut self, v1: bool, ops: i64) -> std::result::Result<ChangeRecord, String> {
-        let field = |f: &'static str| move |e: String| format!("field `{f}`: {e}");
         let entity = self.str("string").map_err(field("entity"))?.to_string();
         let root_key = self.root_key().map_err(field("root_key"))?;
         let table = self.str("string").map_err(field("table"))?.to_string();
