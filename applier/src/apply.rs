@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use skein_common::config::Config;
 use skein_common::failpoint::failpoint;
@@ -789,6 +789,7 @@ impl<S: Sidecar> Applier<S> {
         // are all covered reads only the catalog (a change of it reads
         // them after all).
         let mut snapshot: Option<Arc<Snapshot>> = None;
+        let mut t_open = Duration::ZERO;
         let opened = !consolidated.is_empty() || !batch.covered.is_empty();
         let read = if !opened {
             None
@@ -796,6 +797,7 @@ impl<S: Sidecar> Applier<S> {
             self.source
                 .begin_snapshot(&batch.xids, consolidated.len())
                 .await?;
+            t_open = started.elapsed();
             let read = match self.follow_schema().await {
                 Ok(changed) => {
                     // Covered under the old catalog: read them now (this
@@ -830,12 +832,14 @@ impl<S: Sidecar> Applier<S> {
                 (entity, idxs, keys)
             })
             .collect();
+        let t_schema = started.elapsed();
         let read = match read {
             None => Ok(vec![]),
             Some(Ok(())) if by_entity.is_empty() => Ok(vec![]),
             Some(Ok(())) => hydrate_all(&self.hydrators, &mut self.source, &by_entity).await,
             Some(Err(e)) => Err(e),
         };
+        let t_hydrated = started.elapsed();
         // The pre-assigned ids of referenced rows, in the same snapshot.
         let read = match read {
             Ok(h) => referenced_preassigned(
@@ -858,6 +862,7 @@ impl<S: Sidecar> Applier<S> {
         };
         let (hydrated, referenced) = read?;
         ended?;
+        let t_read = started.elapsed();
         let mut outbox = vec![];
         let mut versions = vec![];
         // Per entity: events, aggregates with nothing new to publish, and
@@ -964,6 +969,7 @@ impl<S: Sidecar> Applier<S> {
                 decided.push((entity, *i, ck.clone(), d, root));
             }
         }
+        let t_versions = started.elapsed();
         let mut ids = crate::identifiers::assign(&mut self.sidecar, wanted).await?;
         crate::identifiers::read_stored(
             &mut self.sidecar,
@@ -1039,7 +1045,23 @@ impl<S: Sidecar> Applier<S> {
             explicit: batch.explicit,
         };
         failpoint("applier.before_sidecar");
+        let t_built = started.elapsed();
         let result = self.sidecar.commit(&commit).await;
+        // Where a batch's time went (bench/README: SKEIN_LOG=...=debug):
+        // opening the snapshot, the catalog check, the tables' reads, the
+        // whole snapshot (read), versions and decisions, identifiers and
+        // events, the sidecar transaction.
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::debug!(
+            open_ms = ms(t_open),
+            schema_ms = ms(t_schema.saturating_sub(t_open)),
+            hydrate_ms = ms(t_hydrated - t_schema),
+            read_ms = ms(t_read),
+            decide_ms = ms(t_versions - t_read),
+            built_ms = ms(t_built - t_versions),
+            commit_ms = ms(started.elapsed() - t_built),
+            "batch phases"
+        );
         let batch_id = match result {
             Ok(id) => id,
             Err(e) => {
