@@ -713,23 +713,35 @@ impl EntityHydrator {
     ) -> Result<Vec<Current>> {
         let arrays = key_arrays(keys, self.root_key.len());
         let params = as_params(&arrays);
-        let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
+        // The context is built only on a failure: this runs per table per
+        // batch.
+        let what = |i: usize| format!("hydrating {}", self.nodes[i].qualified());
+        let mut queries = Vec::with_capacity(self.sql.len());
         for (i, sql) in self.sql.iter().enumerate() {
-            if i == 1 {
-                // Tests stall here to commit a change between two tables' reads.
-                failpoint("applier.hydrate.between_tables");
-            }
-            // The context is built only on a failure: this runs per table
-            // per batch.
-            let what = || format!("hydrating {}", self.nodes[i].qualified());
-            let query = statements
-                .get(client, sql)
-                .await
-                .map_err(|e| db(what())(e))?;
-            let rows = client
-                .query(&query, &params)
-                .await
-                .map_err(|e| db(what())(e))?;
+            queries.push(
+                statements
+                    .get(client, sql)
+                    .await
+                    .map_err(|e| db(what(i))(e))?,
+            );
+        }
+        // Every table in one pipelined round trip: tokio-postgres sends each
+        // query as its future is first polled, so they are all on the wire
+        // before the first answer is read. The snapshot was taken before
+        // (the catalog read is the transaction's first statement or later).
+        if queries.len() > 1 {
+            // Tests stall here to commit a change between the snapshot and
+            // the tables' reads.
+            failpoint("applier.hydrate.between_tables");
+        }
+        let answers =
+            futures_util::future::try_join_all(queries.iter().enumerate().map(|(i, q)| {
+                let params = &params;
+                async move { client.query(q, params).await.map_err(|e| db(what(i))(e)) }
+            }))
+            .await?;
+        let mut per_node: Vec<Vec<Row>> = Vec::with_capacity(self.nodes.len());
+        for (i, rows) in answers.into_iter().enumerate() {
             let mut out = Vec::with_capacity(rows.len());
             for r in rows {
                 let link: String = r.get(1);
