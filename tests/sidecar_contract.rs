@@ -993,3 +993,53 @@ async fn postgres_relay_lease_keeps_one_all_partitions_relay() {
     lease_contract(a, &mut b, &mut c).await;
     assert_eq!(c.relay_lease_holders().await.unwrap(), Some((0, 2)));
 }
+
+/// A batch whose writes fail part-way (PostgreSQL refuses an outbox row;
+/// the statements after it were already sent, pipelined) writes nothing,
+/// names the statement that failed, and leaves the connection fit for the
+/// next batch.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_failing_mid_pipeline_writes_nothing_and_the_next_one_commits() {
+    let url = pg_db("skein_t_contract_pipeline").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    let first = batch(None, pg_lsn(10).numeric(), pg_lsn(10), 1, 1);
+    sc.commit(&first).await.unwrap();
+    // Pending outbox rows (the second figure is an age).
+    let before = sc.pending().await.unwrap().0;
+
+    let mut bad = batch(
+        Some(pg_lsn(10).numeric()),
+        pg_lsn(11).numeric(),
+        pg_lsn(11),
+        10,
+        2,
+    );
+    bad.outbox[0].event = "{\"n\":\"\u{0}\"}".into();
+    let err = sc.commit(&bad).await.expect_err("a NUL in text is refused");
+    assert!(!matches!(err, Error::Fenced { .. }), "{err}");
+    assert!(err.to_string().contains("inserting outbox rows"), "{err}");
+    assert_eq!(sc.pending().await.unwrap().0, before);
+    let p = sc
+        .progress("contract", "in-process", 2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(p.position, pg_lsn(10).numeric());
+
+    let good = batch(
+        Some(pg_lsn(10).numeric()),
+        pg_lsn(11).numeric(),
+        pg_lsn(11),
+        10,
+        3,
+    );
+    sc.commit(&good).await.unwrap();
+    let p = sc
+        .progress("contract", "in-process", 2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(p.position, pg_lsn(11).numeric());
+    assert_eq!(sc.pending().await.unwrap().0, before + 2);
+}

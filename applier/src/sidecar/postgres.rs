@@ -267,29 +267,50 @@ impl Sidecar for PgSidecar {
         let expected_epoch = b.expected.map(|e| e.epoch);
         let (lower, upper) = (b.lower.to_string(), b.upper.to_string());
         let src_seq: Option<i64> = b.source.map(|p| i64::try_from(p.seq).unwrap_or(i64::MAX));
+        let what_advance = "advancing progress";
+        let what_batch = "inserting the batch row";
+        let advance = statements
+            .get(&tx, &sc::advance_progress_sql(s))
+            .await
+            .map_err(db(what_advance))?;
+        let batch_insert = statements
+            .get(&tx, &sc::batch_insert_sql(s))
+            .await
+            .map_err(db(what_batch))?;
+        let outbox_insert = statements
+            .get(&tx, &sc::outbox_insert_sql(s))
+            .await
+            .map_err(db("inserting outbox rows"))?;
+        let versions_upsert = statements
+            .get(&tx, &sc::versions_upsert_sql(s))
+            .await
+            .map_err(db("upserting versions"))?;
+        // Statements are pipelined where no answer feeds the next one:
+        // tokio-postgres sends each as its future is first polled. Nothing
+        // is committed before every answer was read and checked.
+        //
         // 1. Fence: move progress only from where this applier started. An
         // explicit batch before the partition's first commit locks the
         // absent row instead (see `lock_absent_progress_sql`).
         let explicit_first = !b.explicit.is_empty() && expected_text.is_none();
-        let moved = match &expected_text {
-            None if explicit_first => {
-                let [insert, delete] = sc::lock_absent_progress_sql(s);
-                let n = tx
-                    .execute(&insert, &[&b.group, &b.topic, &partition])
-                    .await
-                    .map_err(db("locking the partition's absent progress"))?;
-                if n == 1 {
-                    tx.execute(&delete, &[&b.group, &b.topic, &partition])
+        let fence = async {
+            match &expected_text {
+                None if explicit_first => {
+                    let [insert, delete] = sc::lock_absent_progress_sql(s);
+                    let n = tx
+                        .execute(&insert, &[&b.group, &b.topic, &partition])
                         .await
                         .map_err(db("locking the partition's absent progress"))?;
+                    if n == 1 {
+                        tx.execute(&delete, &[&b.group, &b.topic, &partition])
+                            .await
+                            .map_err(db("locking the partition's absent progress"))?;
+                    }
+                    Ok(n)
                 }
-                n
-            }
-            Some(expected) => {
-                statements
+                Some(expected) => tx
                     .execute(
-                        &tx,
-                        &sc::advance_progress_sql(s),
+                        &advance,
                         &[
                             &b.group,
                             &b.topic,
@@ -301,27 +322,50 @@ impl Sidecar for PgSidecar {
                             &expected_epoch,
                             &b.recheck_after,
                         ],
-                        "advancing progress",
                     )
-                    .await?
+                    .await
+                    .map_err(db(what_advance)),
+                None => tx
+                    .execute(
+                        &sc::first_progress_sql(s),
+                        &[
+                            &b.group,
+                            &b.topic,
+                            &partition,
+                            &position,
+                            &src_commit,
+                            &src_seq,
+                            &b.recheck_after,
+                        ],
+                    )
+                    .await
+                    .map_err(db("creating progress")),
             }
-            None => tx
-                .execute(
-                    &sc::first_progress_sql(s),
-                    &[
-                        &b.group,
-                        &b.topic,
-                        &partition,
-                        &position,
-                        &src_commit,
-                        &src_seq,
-                        &b.recheck_after,
-                    ],
-                )
-                .await
-                .map_err(db("creating progress"))?,
         };
-        if moved != 1 {
+        // 2. The batch row, beside the fence (a fenced batch rolls it back):
+        // its correlation id is in every event of the batch.
+        let batch_row = async {
+            tx.query_one(
+                &batch_insert,
+                &[
+                    &b.correlation_id,
+                    &b.group,
+                    &b.topic,
+                    &partition,
+                    &lower,
+                    &upper,
+                    &b.record_count,
+                    &b.entity_count,
+                    &(b.outbox.len() as i32),
+                    &b.has_data_loss,
+                    &b.dead_letters,
+                ],
+            )
+            .await
+            .map_err(db(what_batch))
+        };
+        let (moved, batch_row) = tokio::join!(fence, batch_row);
+        if moved? != 1 {
             let found = tx
                 .query_opt(
                     &sc::fenced_position_sql(s),
@@ -343,76 +387,85 @@ impl Sidecar for PgSidecar {
                 found,
             });
         }
-
-        // 2. The batch row: its correlation id is in every event of the batch.
-        let batch_id: i64 = statements
-            .query_one(
-                &tx,
-                &sc::batch_insert_sql(s),
-                &[
-                    &b.correlation_id,
-                    &b.group,
-                    &b.topic,
-                    &partition,
-                    &lower,
-                    &upper,
-                    &b.record_count,
-                    &b.entity_count,
-                    &(b.outbox.len() as i32),
-                    &b.has_data_loss,
-                    &b.dead_letters,
-                ],
-                "inserting the batch row",
-            )
-            .await?
-            .get(0);
+        let batch_id: i64 = batch_row?.get(0);
 
         // 3. Outbox rows, in decision order (ids keep per-aggregate order),
-        // in statements of bounded size: one array parameter of a large
-        // batch's events could pass PostgreSQL's 1 GB limit.
-        let outbox_insert = sc::outbox_insert_sql(s);
-        for part in bounded_parts(&b.outbox, |o| o.event.len()) {
-            let ids: Vec<&str> = part.iter().map(|o| o.event_id.as_str()).collect();
-            let entities: Vec<&str> = part.iter().map(|o| o.entity.as_str()).collect();
-            let keys: Vec<&str> = part.iter().map(|o| o.key.as_str()).collect();
-            let etags: Vec<Option<&str>> = part.iter().map(|o| o.etag.as_deref()).collect();
-            let events: Vec<&str> = part.iter().map(|o| o.event.as_str()).collect();
-            let times: Vec<i64> = part.iter().map(|o| o.commit_time_micros).collect();
-            statements
-                .execute(
-                    &tx,
-                    &outbox_insert,
+        // and 4. versions, in statements of bounded size: one array
+        // parameter of a large batch's events could pass PostgreSQL's 1 GB
+        // limit. The parameters are built first, then sent pipelined.
+        type Columns<'a> = (
+            Vec<&'a str>,
+            Vec<&'a str>,
+            Vec<&'a str>,
+            Vec<Option<&'a str>>,
+        );
+        let outbox: Vec<(Columns, Vec<&str>, Vec<i64>)> =
+            bounded_parts(&b.outbox, |o| o.event.len())
+                .into_iter()
+                .map(|part| {
+                    (
+                        (
+                            part.iter().map(|o| o.event_id.as_str()).collect(),
+                            part.iter().map(|o| o.entity.as_str()).collect(),
+                            part.iter().map(|o| o.key.as_str()).collect(),
+                            part.iter().map(|o| o.etag.as_deref()).collect(),
+                        ),
+                        part.iter().map(|o| o.event.as_str()).collect(),
+                        part.iter().map(|o| o.commit_time_micros).collect(),
+                    )
+                })
+                .collect();
+        let versions: Vec<(Columns, Vec<bool>)> = bounded_parts(&b.versions, |v| v.key.len())
+            .into_iter()
+            .map(|part| {
+                (
+                    (
+                        vec![],
+                        part.iter().map(|v| v.entity.as_str()).collect(),
+                        part.iter().map(|v| v.key.as_str()).collect(),
+                        part.iter().map(|v| v.etag.as_deref()).collect(),
+                    ),
+                    part.iter().map(|v| v.is_deleted).collect(),
+                )
+            })
+            .collect();
+        let mut writes: Vec<
+            std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64>> + Send + '_>>,
+        > = vec![];
+        let on = &tx;
+        for ((ids, entities, keys, etags), events, times) in &outbox {
+            let (tx, statement) = (on, &outbox_insert);
+            writes.push(Box::pin(async move {
+                tx.execute(
+                    statement,
                     &[
-                        &batch_id, &partition, &ids, &entities, &keys, &etags, &events, &times,
+                        &batch_id, &partition, ids, entities, keys, etags, events, times,
                     ],
-                    "inserting outbox rows",
                 )
-                .await?;
-        }
-
-        // 4. Versions.
-        let versions_upsert = sc::versions_upsert_sql(s);
-        for part in bounded_parts(&b.versions, |v| v.key.len()) {
-            let entities: Vec<&str> = part.iter().map(|v| v.entity.as_str()).collect();
-            let keys: Vec<&str> = part.iter().map(|v| v.key.as_str()).collect();
-            let etags: Vec<Option<&str>> = part.iter().map(|v| v.etag.as_deref()).collect();
-            let deleted: Vec<bool> = part.iter().map(|v| v.is_deleted).collect();
-            statements
-                .execute(
-                    &tx,
-                    &versions_upsert,
-                    &[&entities, &keys, &etags, &deleted],
-                    "upserting versions",
-                )
-                .await?;
-        }
-
-        // 5. Explicit keys published by this batch leave the queue.
-        if !b.explicit.is_empty() {
-            let taken = tx
-                .execute(&sc::explicit_done_sql(s), &[&b.explicit])
                 .await
-                .map_err(db("taking explicit keys off the queue"))?;
+                .map_err(db("inserting outbox rows"))
+            }));
+        }
+        for ((_, entities, keys, etags), deleted) in &versions {
+            let (tx, statement) = (on, &versions_upsert);
+            writes.push(Box::pin(async move {
+                tx.execute(statement, &[entities, keys, etags, deleted])
+                    .await
+                    .map_err(db("upserting versions"))
+            }));
+        }
+        // 5. Explicit keys published by this batch leave the queue.
+        let explicit_at = writes.len();
+        if !b.explicit.is_empty() {
+            let (tx, sql) = (on, sc::explicit_done_sql(s));
+            writes.push(Box::pin(async move {
+                tx.execute(&sql, &[&b.explicit])
+                    .await
+                    .map_err(db("taking explicit keys off the queue"))
+            }));
+        }
+        let written = futures_util::future::try_join_all(writes).await?;
+        if let Some(&taken) = written.get(explicit_at) {
             if taken != b.explicit.len() as u64 {
                 return Err(b.fenced_by_rows());
             }
