@@ -969,7 +969,7 @@ impl<S: Sidecar> Applier<S> {
                 decided.push((entity, *i, ck.clone(), d, root));
             }
         }
-        let t_versions = started.elapsed();
+        let t_decided = started.elapsed();
         let mut ids = crate::identifiers::assign(&mut self.sidecar, wanted).await?;
         crate::identifiers::read_stored(
             &mut self.sidecar,
@@ -1054,11 +1054,11 @@ impl<S: Sidecar> Applier<S> {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         tracing::debug!(
             open_ms = ms(t_open),
-            schema_ms = ms(t_schema.saturating_sub(t_open)),
+            schema_ms = ms(t_schema - t_open),
             hydrate_ms = ms(t_hydrated - t_schema),
             read_ms = ms(t_read),
-            decide_ms = ms(t_versions - t_read),
-            built_ms = ms(t_built - t_versions),
+            decide_ms = ms(t_decided - t_read),
+            built_ms = ms(t_built - t_decided),
             commit_ms = ms(started.elapsed() - t_built),
             "batch phases"
         );

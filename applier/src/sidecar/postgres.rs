@@ -392,52 +392,51 @@ impl Sidecar for PgSidecar {
         // 3. Outbox rows, in decision order (ids keep per-aggregate order),
         // and 4. versions, in statements of bounded size: one array
         // parameter of a large batch's events could pass PostgreSQL's 1 GB
-        // limit. The parameters are built first, then sent pipelined.
-        type Columns<'a> = (
+        // limit. Each part's columns are built first, then every part is
+        // sent pipelined.
+        type OutboxColumns<'a> = (
             Vec<&'a str>,
             Vec<&'a str>,
             Vec<&'a str>,
             Vec<Option<&'a str>>,
+            Vec<&'a str>,
+            Vec<i64>,
         );
-        let outbox: Vec<(Columns, Vec<&str>, Vec<i64>)> =
-            bounded_parts(&b.outbox, |o| o.event.len())
-                .into_iter()
-                .map(|part| {
-                    (
-                        (
-                            part.iter().map(|o| o.event_id.as_str()).collect(),
-                            part.iter().map(|o| o.entity.as_str()).collect(),
-                            part.iter().map(|o| o.key.as_str()).collect(),
-                            part.iter().map(|o| o.etag.as_deref()).collect(),
-                        ),
-                        part.iter().map(|o| o.event.as_str()).collect(),
-                        part.iter().map(|o| o.commit_time_micros).collect(),
-                    )
-                })
-                .collect();
-        let versions: Vec<(Columns, Vec<bool>)> = bounded_parts(&b.versions, |v| v.key.len())
+        let outbox: Vec<OutboxColumns> = bounded_parts(&b.outbox, |o| o.event.len())
             .into_iter()
             .map(|part| {
                 (
-                    (
-                        vec![],
-                        part.iter().map(|v| v.entity.as_str()).collect(),
-                        part.iter().map(|v| v.key.as_str()).collect(),
-                        part.iter().map(|v| v.etag.as_deref()).collect(),
-                    ),
+                    part.iter().map(|o| o.event_id.as_str()).collect(),
+                    part.iter().map(|o| o.entity.as_str()).collect(),
+                    part.iter().map(|o| o.key.as_str()).collect(),
+                    part.iter().map(|o| o.etag.as_deref()).collect(),
+                    part.iter().map(|o| o.event.as_str()).collect(),
+                    part.iter().map(|o| o.commit_time_micros).collect(),
+                )
+            })
+            .collect();
+        type VersionColumns<'a> = (Vec<&'a str>, Vec<&'a str>, Vec<Option<&'a str>>, Vec<bool>);
+        let versions: Vec<VersionColumns> = bounded_parts(&b.versions, |v| v.key.len())
+            .into_iter()
+            .map(|part| {
+                (
+                    part.iter().map(|v| v.entity.as_str()).collect(),
+                    part.iter().map(|v| v.key.as_str()).collect(),
+                    part.iter().map(|v| v.etag.as_deref()).collect(),
                     part.iter().map(|v| v.is_deleted).collect(),
                 )
             })
             .collect();
-        let mut writes: Vec<
-            std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64>> + Send + '_>>,
-        > = vec![];
+        type Write<'a> =
+            std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64>> + Send + 'a>>;
+        let mut writes: Vec<Write> = vec![];
+        // The futures borrow the transaction; it is committed (moved) below.
         let on = &tx;
-        for ((ids, entities, keys, etags), events, times) in &outbox {
-            let (tx, statement) = (on, &outbox_insert);
+        let (outbox_insert, versions_upsert) = (&outbox_insert, &versions_upsert);
+        for (ids, entities, keys, etags, events, times) in &outbox {
             writes.push(Box::pin(async move {
-                tx.execute(
-                    statement,
+                on.execute(
+                    outbox_insert,
                     &[
                         &batch_id, &partition, ids, entities, keys, etags, events, times,
                     ],
@@ -446,10 +445,9 @@ impl Sidecar for PgSidecar {
                 .map_err(db("inserting outbox rows"))
             }));
         }
-        for ((_, entities, keys, etags), deleted) in &versions {
-            let (tx, statement) = (on, &versions_upsert);
+        for (entities, keys, etags, deleted) in &versions {
             writes.push(Box::pin(async move {
-                tx.execute(statement, &[entities, keys, etags, deleted])
+                on.execute(versions_upsert, &[entities, keys, etags, deleted])
                     .await
                     .map_err(db("upserting versions"))
             }));
@@ -457,9 +455,9 @@ impl Sidecar for PgSidecar {
         // 5. Explicit keys published by this batch leave the queue.
         let explicit_at = writes.len();
         if !b.explicit.is_empty() {
-            let (tx, sql) = (on, sc::explicit_done_sql(s));
+            let sql = sc::explicit_done_sql(s);
             writes.push(Box::pin(async move {
-                tx.execute(&sql, &[&b.explicit])
+                on.execute(&sql, &[&b.explicit])
                     .await
                     .map_err(db("taking explicit keys off the queue"))
             }));
