@@ -317,9 +317,10 @@ impl<S: Sidecar> Applier<S> {
     /// messages: an applier over Kafka never sees those, and only the
     /// snapshot's own catalog is the one its queries run against.
     ///
-    /// Returns whether the catalog changed.
-    async fn follow_schema(&mut self) -> Result<bool> {
-        let Some(now) = self.source.catalog(&self.cfg.tables()).await? else {
+    /// `now`: the catalog as the batch's snapshot sees it
+    /// ([`Source::begin_snapshot`]). Returns whether it changed.
+    fn follow_schema(&mut self, now: Option<Catalog>) -> Result<bool> {
+        let Some(now) = now else {
             return Ok(false);
         };
         if now == self.catalog {
@@ -794,25 +795,29 @@ impl<S: Sidecar> Applier<S> {
         let read = if !opened {
             None
         } else {
-            self.source
-                .begin_snapshot(&batch.xids, consolidated.len())
+            // The catalog and the snapshot's text come with the opening.
+            let o = self
+                .source
+                .begin_snapshot(
+                    &batch.xids,
+                    consolidated.len(),
+                    &self.cfg.tables(),
+                    batch.remember,
+                )
                 .await?;
             t_open = started.elapsed();
-            let read = match self.follow_schema().await {
+            let read = match o.catalog.and_then(|now| self.follow_schema(now)) {
                 Ok(changed) => {
                     // Covered under the old catalog: read them now (this
                     // snapshot sees all their covering one saw).
                     if changed {
                         consolidated.append(&mut batch.covered);
                     }
-                    if batch.remember {
-                        let taken = Instant::now();
-                        self.source.snapshot().await.map(|text| {
-                            snapshot = text.and_then(|t| Snapshot::parse(&t, taken)).map(Arc::new);
-                        })
-                    } else {
-                        Ok(())
-                    }
+                    o.snapshot.map(|text| {
+                        snapshot = text
+                            .and_then(|t| Snapshot::parse(&t, o.taken))
+                            .map(Arc::new);
+                    })
                 }
                 Err(e) => Err(e),
             };
@@ -1048,7 +1053,8 @@ impl<S: Sidecar> Applier<S> {
         let t_built = started.elapsed();
         let result = self.sidecar.commit(&commit).await;
         // Where a batch's time went (bench/README: SKEIN_LOG=...=debug):
-        // opening the snapshot, the catalog check, the tables' reads, the
+        // opening the snapshot (with its catalog and snapshot text, one
+        // round trip), comparing the catalog, the tables' reads, the
         // whole snapshot (read), versions and decisions, identifiers and
         // events, the sidecar transaction.
         let ms = |d: Duration| d.as_secs_f64() * 1e3;

@@ -97,7 +97,7 @@ SELECT coalesce(array_agg(v ORDER BY v), '{}') FROM x
 WHERE full_id >= 0 AND NOT pg_visible_in_snapshot(full_id::text::xid8, snap)";
 
 /// The open snapshot's text, and whether it cannot be trusted as a cut of
-/// the commit order ([`Source::snapshot`]): on a hot standby, or while
+/// the commit order ([`Opened::snapshot`]): on a hot standby, or while
 /// synchronous replication is configured. A commit waiting for a
 /// synchronous standby is decoded and in the commit log, but other
 /// sessions count it as running until the standby answers, however long
@@ -107,6 +107,25 @@ WHERE full_id >= 0 AND NOT pg_visible_in_snapshot(full_id::text::xid8, snap)";
 pub const CLEAN_SNAPSHOT_SQL: &str = "\
 SELECT s::text, pg_is_in_recovery() OR current_setting('synchronous_standby_names') <> ''
 FROM pg_current_snapshot() AS s";
+
+/// What [`Source::begin_snapshot`] read in the snapshot it opened. An
+/// error here leaves the snapshot open: end it before returning it.
+pub struct Opened {
+    /// The catalog of the config's tables as the snapshot sees it
+    /// ([`Source::catalog`]).
+    pub catalog: Result<Option<Catalog>>,
+    /// The snapshot as `pg_snapshot` text (`xmin:xmax:xip,…`), for
+    /// [`crate::coverage`], when asked for and when it can be taken for a
+    /// cut of the commit order: `None` while synchronous replication is
+    /// configured (a commit waiting for the standby stays invisible while
+    /// later ones are visible, so the snapshot may see a change whose
+    /// effect on an aggregate depends on one it does not see), on a hot
+    /// standby (whose snapshots list no running ids), and on SQL Server,
+    /// where no snapshot spans a batch's reads ([`CLEAN_SNAPSHOT_SQL`]).
+    pub snapshot: Result<Option<String>>,
+    /// No later than the snapshot was taken.
+    pub taken: Instant,
+}
 
 impl Source {
     /// Connects to the configured source for reading state.
@@ -267,7 +286,26 @@ impl Source {
     ///
     /// `keys`, the number of root keys the snapshot will hydrate, chooses
     /// how its queries are planned ([`plan_mode_sql`]).
-    pub async fn begin_snapshot(&mut self, xids: &[u64], keys: usize) -> Result<()> {
+    ///
+    /// What every batch reads before hydrating goes out with the opening
+    /// statements in one pipelined round trip, in this order: the
+    /// transaction and its locks, the visibility check of `xids` (the
+    /// statement that takes the snapshot), the catalog of `tables` as the
+    /// snapshot sees it, and, when `with_snapshot`, the snapshot's text
+    /// ([`Opened::snapshot`]). When the transaction or the check fails,
+    /// the reads behind them are dropped unread (a try that is taken
+    /// again reads them again). SQL Server: the catalog of `tables`, read
+    /// on its own (no snapshot spans a batch's reads there).
+    ///
+    /// An error opening the snapshot is returned; an error of the reads
+    /// in it is in [`Opened`], so the caller ends the snapshot first.
+    pub async fn begin_snapshot(
+        &mut self,
+        xids: &[u64],
+        keys: usize,
+        tables: &[(String, String)],
+        with_snapshot: bool,
+    ) -> Result<Opened> {
         match self {
             Source::Postgres {
                 client,
@@ -277,6 +315,27 @@ impl Source {
             } => {
                 let xids: Vec<i64> = xids.iter().map(|x| *x as i64).collect();
                 let lock = format!("{}; {}", plan_mode_sql(keys), lock_tables_sql(tables));
+                // Prepared once per connection (the first batch only).
+                let check = "checking the snapshot sees the batch's transactions";
+                let unseen_sql = statements
+                    .get(client, UNSEEN_XIDS_SQL)
+                    .await
+                    .map_err(db(check))?;
+                let catalog_what = "reading the catalog in the hydration snapshot";
+                let catalog_sql = statements
+                    .get(client, skein_sql::postgres::CATALOG_QUERY)
+                    .await
+                    .map_err(db(catalog_what))?;
+                let snapshot_what = "reading the hydration snapshot";
+                let snapshot_sql = match with_snapshot {
+                    true => Some(
+                        statements
+                            .get(client, CLEAN_SNAPSHOT_SQL)
+                            .await
+                            .map_err(db(snapshot_what))?,
+                    ),
+                    false => None,
+                };
                 let started = Instant::now();
                 let mut pause = Duration::from_millis(5);
                 loop {
@@ -285,7 +344,33 @@ impl Source {
                     } else {
                         format!("{BEGIN_SNAPSHOT}; {lock}")
                     };
-                    let opened = client.batch_execute(&sql).await;
+                    let taken = Instant::now();
+                    let client = &*client;
+                    // Each request is sent when first polled, and `join4`
+                    // polls them in this order: they run in this order.
+                    let (opened, unseen, catalog, snapshot) = futures_util::future::join4(
+                        client.batch_execute(&sql),
+                        async {
+                            match xids.is_empty() {
+                                true => Ok(None),
+                                false => client
+                                    .query_one(
+                                        &unseen_sql,
+                                        &[&xids, &None::<String>, &None::<String>],
+                                    )
+                                    .await
+                                    .map(Some),
+                            }
+                        },
+                        read_catalog(client, &catalog_sql, tables),
+                        async {
+                            match &snapshot_sql {
+                                Some(s) => client.query_one(s, &[]).await.map(Some),
+                                None => Ok(None),
+                            }
+                        },
+                    )
+                    .await;
                     // Even a failed LOCK leaves the transaction open (aborted).
                     *in_snapshot = true;
                     if let Err(e) = &opened {
@@ -312,22 +397,21 @@ impl Source {
                         }
                         _ => db("opening the hydration snapshot")(e),
                     })?;
-                    if xids.is_empty() {
-                        return Ok(());
-                    }
-                    // The first statement: it takes the snapshot it checks.
-                    let what = "checking the snapshot sees the batch's transactions";
-                    let unseen: Vec<i64> = statements
-                        .query_one(
-                            client,
-                            UNSEEN_XIDS_SQL,
-                            &[&xids, &None::<String>, &None::<String>],
-                            what,
-                        )
-                        .await?
-                        .get(0);
+                    let unseen: Vec<i64> = match unseen.map_err(db(check))? {
+                        Some(row) => row.get(0),
+                        None => vec![],
+                    };
                     if unseen.is_empty() {
-                        return Ok(());
+                        return Ok(Opened {
+                            catalog: catalog.map(Some).map_err(db(catalog_what)),
+                            snapshot: snapshot.map_err(db(snapshot_what)).map(|row| {
+                                row.and_then(|row| {
+                                    let untrusted: bool = row.get(1);
+                                    (!untrusted).then(|| row.get(0))
+                                })
+                            }),
+                            taken,
+                        });
                     }
                     let waited = started.elapsed();
                     if waited >= VISIBILITY_WAIT {
@@ -351,7 +435,14 @@ impl Source {
                     pause = (pause * 2).min(Duration::from_secs(1));
                 }
             }
-            Source::SqlServer(_) => Ok(()),
+            Source::SqlServer(client) => Ok(Opened {
+                catalog: skein_sql::sqlserver::read_catalog(client, tables)
+                    .await
+                    .map(Some)
+                    .map_err(Error::from),
+                snapshot: Ok(None),
+                taken: Instant::now(),
+            }),
         }
     }
 
@@ -399,34 +490,6 @@ impl Source {
             Source::SqlServer(client) => {
                 Ok(skein_sql::sqlserver::read_catalog(client, tables).await?)
             }
-        }
-    }
-
-    /// The open snapshot as `pg_snapshot` text (`xmin:xmax:xip,…`), for
-    /// [`crate::coverage`], when it can be taken for a cut of the commit
-    /// order: `None` while synchronous replication is configured (a
-    /// commit waiting for the standby stays invisible while later ones are
-    /// visible, so the snapshot may see a change whose effect on an
-    /// aggregate depends on one it does not see), on a hot standby (whose
-    /// snapshots list no running ids), and on SQL Server, where no
-    /// snapshot spans a batch's reads ([`CLEAN_SNAPSHOT_SQL`]).
-    pub async fn snapshot(&mut self) -> Result<Option<String>> {
-        match self {
-            Source::Postgres {
-                client, statements, ..
-            } => {
-                let row = statements
-                    .query_one(
-                        client,
-                        CLEAN_SNAPSHOT_SQL,
-                        &[],
-                        "reading the hydration snapshot",
-                    )
-                    .await?;
-                let untrusted: bool = row.get(1);
-                Ok((!untrusted).then(|| row.get(0)))
-            }
-            Source::SqlServer(_) => Ok(None),
         }
     }
 

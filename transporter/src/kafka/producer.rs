@@ -141,11 +141,18 @@ async fn delivered<F, E>(
 where
     F: std::future::Future<Output = std::result::Result<OwnedDeliveryResult, E>> + Unpin,
 {
+    // One timer for the whole wait, not one per record: a batch is
+    // thousands of records, most delivered by the time they are awaited,
+    // and a sleep per record is a timer registered and cancelled per
+    // record.
+    let mut check =
+        tokio::time::interval_at(tokio::time::Instant::now() + FATAL_CHECK, FATAL_CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     for mut f in pending {
         let delivered = loop {
             tokio::select! {
                 d = &mut f => break d,
-                _ = tokio::time::sleep(FATAL_CHECK) => {
+                _ = check.tick() => {
                     if let Some((code, reason)) = fatal() {
                         return Err(Error::Broker {
                             message: format!(
