@@ -310,3 +310,39 @@ async fn a_column_added_behind_covered_records_still_shows() {
     assert_eq!(datas[1]["tier"], "gold", "{}", datas[1]);
     assert_exactly_once(&env).await;
 }
+
+/// A batch whose snapshot failed to open (a table of the config gone) left
+/// its transaction open and aborted on the applier's source connection.
+/// The next batch ends it before it prepares anything there: a statement
+/// prepared in an aborted transaction fails, and would have failed every
+/// batch after it (here, the snapshot text's query, first asked for by the
+/// second batch).
+#[tokio::test]
+async fn a_snapshot_a_failed_batch_left_open_is_ended_before_the_next() {
+    use skein_applier::hydrate::Source;
+    let env = Env::new("left_open", |y| y).await;
+    let yaml = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("${SKEIN_SOURCE_URL}", &env.url)
+        .replace("${SKEIN_OUT_DIR}", &env.dir.display().to_string());
+    let cfg = skein_common::config::Config::from_yaml(&yaml, "skein.yaml").unwrap();
+    let mut source = Source::connect(&cfg).await.unwrap();
+    env.exec("ALTER TABLE contact RENAME TO contact_away").await;
+    let failed = source.begin_snapshot(&[], 1, &cfg.tables(), false).await;
+    assert!(
+        failed
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("is gone")),
+        "{:?}",
+        failed.err()
+    );
+    env.exec("ALTER TABLE contact_away RENAME TO contact").await;
+    let opened = source
+        .begin_snapshot(&[], 1, &cfg.tables(), true)
+        .await
+        .expect("the next batch's snapshot opens");
+    let catalog = opened.catalog.unwrap().expect("a PostgreSQL catalog");
+    assert!(catalog.tables.keys().any(|(_, t)| t == "contact"));
+    assert!(opened.snapshot.unwrap().is_some(), "the snapshot's text");
+    source.end_snapshot().await.unwrap();
+}

@@ -272,8 +272,8 @@ impl Source {
     /// snapshot that sees every source transaction in `xids` (the batch's).
     /// The locks come before the snapshot, so no `ALTER TABLE` of those
     /// tables commits while the batch reads them (it waits for the
-    /// snapshot to end): the catalog [`Source::catalog`] reads in the
-    /// snapshot is the one every hydration query runs against, and a table
+    /// snapshot to end): the catalog read in the snapshot
+    /// ([`Opened::catalog`]) is the one every hydration query runs against, and a table
     /// rewrite (which older snapshots see as empty) cannot land between
     /// two tables' reads. The
     /// change stream carries a commit once its WAL is flushed, a moment
@@ -290,12 +290,14 @@ impl Source {
     /// What every batch reads before hydrating goes out with the opening
     /// statements in one pipelined round trip, in this order: the
     /// transaction and its locks, the visibility check of `xids` (the
-    /// statement that takes the snapshot), the catalog of `tables` as the
-    /// snapshot sees it, and, when `with_snapshot`, the snapshot's text
-    /// ([`Opened::snapshot`]). When the transaction or the check fails,
-    /// the reads behind them are dropped unread (a try that is taken
-    /// again reads them again). SQL Server: the catalog of `tables`, read
-    /// on its own (no snapshot spans a batch's reads there).
+    /// statement that takes the snapshot), the catalog of the config's
+    /// tables as the snapshot sees it (PostgreSQL reads its own table
+    /// list; `tables` is SQL Server's), and, when `with_snapshot`, the
+    /// snapshot's text ([`Opened::snapshot`]). When the transaction or the
+    /// check fails, or the check finds a transaction not visible yet, the
+    /// reads behind them have run but their answers are dropped (a try
+    /// taken again reads them again). SQL Server: the catalog of `tables`,
+    /// read on its own (no snapshot spans a batch's reads there).
     ///
     /// An error opening the snapshot is returned; an error of the reads
     /// in it is in [`Opened`], so the caller ends the snapshot first.
@@ -315,6 +317,15 @@ impl Source {
             } => {
                 let xids: Vec<i64> = xids.iter().map(|x| *x as i64).collect();
                 let lock = format!("{}; {}", plan_mode_sql(keys), lock_tables_sql(tables));
+                if *in_snapshot {
+                    // Left open (aborted, perhaps) by a batch that failed:
+                    // a statement prepared in it would fail too.
+                    client
+                        .batch_execute("ROLLBACK")
+                        .await
+                        .map_err(db("ending a snapshot a failed batch left open"))?;
+                    *in_snapshot = false;
+                }
                 // Prepared once per connection (the first batch only).
                 let check = "checking the snapshot sees the batch's transactions";
                 let unseen_sql = statements
@@ -446,14 +457,10 @@ impl Source {
         }
     }
 
-    /// The catalog of the config's tables as the open snapshot sees it
-    /// (PostgreSQL, from its own table list; the locks of
-    /// [`Source::begin_snapshot`] keep it so until the snapshot ends).
-    ///
-    /// SQL Server reads the catalog of `tables` before the batch's
-    /// hydration; no snapshot spans the two there, so a DDL in between can
-    /// fail the hydration query, which stops the applier (the restart
-    /// reads the new catalog). Always `Some` today.
+    /// The catalog of the config's tables now (PostgreSQL, from its own
+    /// table list; SQL Server, of `tables`), outside a batch: `skein
+    /// explicit` checks its keys against it. A batch reads the catalog in
+    /// its snapshot ([`Source::begin_snapshot`]). Always `Some` today.
     pub async fn catalog(&mut self, tables: &[(String, String)]) -> Result<Option<Catalog>> {
         match self {
             Source::Postgres {

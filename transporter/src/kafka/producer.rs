@@ -151,6 +151,9 @@ where
     for mut f in pending {
         let delivered = loop {
             tokio::select! {
+                // A delivered record first: an overdue tick must not fail
+                // a batch whose records all arrived.
+                biased;
                 d = &mut f => break d,
                 _ = check.tick() => {
                     if let Some((code, reason)) = fatal() {
@@ -195,6 +198,49 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
+
+    /// Records delivered are delivered, even when the fatal check fell due
+    /// meanwhile and a fatal error came after them (a later batch's
+    /// record failed): the batch is durable and must not be sent again.
+    #[tokio::test(start_paused = true)]
+    async fn a_due_fatal_check_does_not_fail_delivered_records() {
+        let failed = AtomicBool::new(false);
+        let ok = || {
+            Ok(Ok(rdkafka::producer::future_producer::Delivery {
+                partition: 0,
+                offset: 0,
+                timestamp: rdkafka::Timestamp::NotAvailable,
+            }))
+        };
+        type Delivered = std::result::Result<OwnedDeliveryResult, ()>;
+        let (first, first_rx) = tokio::sync::oneshot::channel::<Delivered>();
+        let mut pending: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = Delivered>>>> =
+            vec![Box::pin(async move { first_rx.await.unwrap() })];
+        for _ in 0..20 {
+            pending.push(Box::pin(std::future::ready(ok())));
+        }
+        let wait = delivered(pending, "changes", || {
+            failed.load(Ordering::SeqCst).then(|| {
+                (
+                    RDKafkaErrorCode::OutOfOrderSequenceNumber,
+                    "gapless guarantee".to_string(),
+                )
+            })
+        });
+        tokio::pin!(wait);
+        let polled = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(std::future::Future::poll(wait.as_mut(), cx))
+        })
+        .await;
+        assert!(polled.is_pending());
+        // The check falls due while nothing polls the wait; then the first
+        // record is delivered, and a fatal error follows.
+        tokio::time::advance(FATAL_CHECK + FATAL_CHECK / 2).await;
+        first.send(ok()).unwrap();
+        failed.store(true, Ordering::SeqCst);
+        let waited = wait.await;
+        assert!(waited.is_ok(), "{waited:?}");
+    }
 
     /// A record that never resolves (sent, then queued again after a fatal
     /// error): the wait ends with the fatal error once there is one.
