@@ -454,7 +454,22 @@ async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
     let mut lower = from;
     let mut seq = 0u64;
     let capacity = window.available_permits();
+    // Whether the last batch read was full (it closed at its size, or is a
+    // part of a large transaction): a backlog is being read.
+    let mut backlog = true;
     while !cancel.is_cancelled() {
+        if !backlog && transport.acknowledges_applied() {
+            // Live traffic: the last batch closed because nothing more was
+            // ready. A batch read now would only queue behind the ones in
+            // flight, and what arrives meanwhile behind it, so the next is
+            // read once they are all applied and takes all of that in. A
+            // backlog keeps the window full, for throughput.
+            let drained = tokio::select! {
+                d = window.acquire_many(capacity as u32) => d.expect("the window is never closed"),
+                _ = cancel.cancelled() => break,
+            };
+            drop(drained);
+        }
         let slot = tokio::select! {
             s = window.acquire() => s.expect("the window is never closed"),
             _ = cancel.cancelled() => break,
@@ -467,6 +482,7 @@ async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
             _ = cancel.cancelled() => break,
         };
         let t0 = Instant::now();
+        backlog = batch.in_flight.is_some() || batch.changes >= limits.max_changes;
         let Some(upper) = batch.upper.filter(|u| *u > lower) else {
             // A wait that found nothing new, and nothing is in flight (only
             // this read's slot is taken): caught up. Otherwise the
@@ -649,6 +665,9 @@ mod tests {
         stall_at: Option<u64>,
         /// From here on, a read fails (the source lost).
         fail_at: Option<u64>,
+        /// Below here, a batch is full (a backlog): it reports as many
+        /// changes as the limit allows.
+        full_below: Option<u64>,
     }
 
     impl ChangeSource for Scripted {
@@ -677,11 +696,12 @@ mod tests {
                 return Err(Error::Decode("the source connection was lost".into()));
             }
             let upper = pos(l + 1);
+            let full = self.full_below.is_some_and(|f| l < f);
             Ok(ReadBatch {
                 upper: Some(upper),
                 in_flight: None,
                 transactions: 1,
-                changes: 1,
+                changes: if full { LIMITS.max_changes } else { 1 },
                 records: vec![ChangeRecord {
                     entity: "customer".into(),
                     root_key: RootKey(vec![Some(format!("{}", l + 1))]),
@@ -707,11 +727,27 @@ mod tests {
         acks: Arc<Mutex<Vec<(u64, Option<oneshot::Sender<Result<()>>>)>>>,
         /// The transport's own bound on batches in flight (none when 0).
         cap: usize,
+        /// [`Transport::acknowledges_applied`].
+        applied: bool,
     }
 
     impl Held {
         fn submitted(&self) -> Vec<u64> {
             self.acks.lock().unwrap().iter().map(|(s, _)| *s).collect()
+        }
+        /// Waits until `n` batches were submitted, then a moment more, and
+        /// checks that the reader stopped there.
+        async fn stops_at(&self, n: u64) {
+            until(&format!("{n} batches submitted"), || {
+                self.submitted().len() as u64 == n
+            })
+            .await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(
+                self.submitted(),
+                (1..=n).collect::<Vec<_>>(),
+                "read past {n}"
+            );
         }
         fn ack(&self, seq: u64, outcome: Result<()>) {
             let mut acks = self.acks.lock().unwrap();
@@ -721,6 +757,9 @@ mod tests {
     }
 
     impl Transport for Held {
+        fn acknowledges_applied(&self) -> bool {
+            self.applied
+        }
         fn max_in_flight(&self) -> usize {
             if self.cap == 0 {
                 usize::MAX
@@ -804,12 +843,7 @@ mod tests {
         let run = from_zero(&mut source, &transport, &markers, 3, &cancel);
         let drive = async {
             // Three read ahead, no more, and nothing is marked unacknowledged.
-            until("three batches in flight", || {
-                transport.submitted().len() == 3
-            })
-            .await;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            assert_eq!(transport.submitted(), vec![1, 2, 3]);
+            transport.stops_at(3).await;
             assert!(markers.0.lock().unwrap().is_empty());
             // A later ack first: the marker waits for the earlier batch.
             transport.ack(2, Ok(()));
@@ -838,6 +872,45 @@ mod tests {
         // The source releases only what is durable, the last position too.
         assert_eq!(source.confirmed.last(), Some(&pos(5)));
         assert!(source.confirmed.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    /// Where an ack means "applied" (in process), a backlog fills the
+    /// window, and live traffic (batches that closed because nothing more
+    /// was ready) is read once every batch in flight is acknowledged.
+    #[tokio::test]
+    async fn live_batches_wait_for_the_window_to_drain_where_acks_mean_applied() {
+        let transport = Held {
+            applied: true,
+            ..Held::default()
+        };
+        let markers = Markers::default();
+        let cancel = CancellationToken::new();
+        let mut source = Scripted {
+            full_below: Some(2),
+            ..Scripted::default()
+        };
+        let run = from_zero(&mut source, &transport, &markers, 3, &cancel);
+        let drive = async {
+            // Batches 1 and 2 are full, so 3 is read behind them; it is not.
+            transport.stops_at(3).await;
+            // One acknowledged, two in flight: a live batch waits.
+            transport.ack(1, Ok(()));
+            until("batch 1 marked", || markers.0.lock().unwrap().len() == 1).await;
+            transport.stops_at(3).await;
+            transport.ack(2, Ok(()));
+            transport.stops_at(3).await;
+            // All applied: the next is read, and only it.
+            transport.ack(3, Ok(()));
+            transport.stops_at(4).await;
+            cancel.cancel();
+            transport.ack(4, Ok(()));
+        };
+        let (last, ()) = tokio::join!(run, drive);
+        assert_eq!(last.unwrap(), pos(4));
+        assert_eq!(
+            *markers.0.lock().unwrap(),
+            vec![pos(1), pos(2), pos(3), pos(4)]
+        );
     }
 
     #[tokio::test]

@@ -104,6 +104,11 @@ impl Batch {
 }
 
 impl Transport for InProcess {
+    /// A partition acknowledges a slice once its applier committed it.
+    fn acknowledges_applied(&self) -> bool {
+        true
+    }
+
     async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
         let parts = split(batch, self.partitions());
         // Sent and not yet acknowledged, whatever way this ends.

@@ -113,6 +113,15 @@ pub trait Transport {
         usize::MAX
     }
 
+    /// Whether an acknowledgement means the appliers committed the batch
+    /// (in process), not only that the transport holds it (Kafka). Then a
+    /// batch handed over while others are in flight waits behind them, and
+    /// the extractor reads live traffic only once the window has drained
+    /// (see `skein_extractor`'s pipeline).
+    fn acknowledges_applied(&self) -> bool {
+        false
+    }
+
     /// Sends a batch and waits for its acknowledgement.
     fn send(&self, batch: Batch) -> impl Future<Output = Result<()>> + Send
     where

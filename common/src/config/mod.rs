@@ -426,8 +426,9 @@ pub struct ExtractorConfig {
     #[serde(default = "default_max_wait")]
     pub max_batch_wait_ms: u64,
     /// How many batches may be handed over and not yet acknowledged: the
-    /// extractor reads the next while the appliers work on these. A crash
-    /// re-sends at most these.
+    /// extractor reads the next while the appliers work on these (in
+    /// process, while a backlog is read; live batches wait until those in
+    /// flight are applied). A crash re-sends at most these.
     #[serde(default = "default_in_flight")]
     pub max_batches_in_flight: usize,
     /// The share of what the source keeps for skein (PostgreSQL: the
