@@ -79,6 +79,10 @@ pub struct ReadBatch {
     pub changes: usize,
     /// Change records, in source order.
     pub records: Vec<ChangeRecord>,
+    /// More was ready when the batch closed (it reached `max_changes`, or
+    /// a large transaction's parts are being handed over): a backlog is
+    /// being read. `false` when it closed because nothing more was.
+    pub more: bool,
 }
 
 /// A source of committed changes: PostgreSQL logical decoding or SQL Server
@@ -454,8 +458,7 @@ async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
     let mut lower = from;
     let mut seq = 0u64;
     let capacity = window.available_permits();
-    // Whether the last batch read was full (it closed at its size, or is a
-    // part of a large transaction): a backlog is being read.
+    // Whether more was ready when the last batch closed: a backlog.
     let mut backlog = true;
     while !cancel.is_cancelled() {
         if !backlog && transport.acknowledges_applied() {
@@ -482,7 +485,7 @@ async fn read_batches<'w, S: ChangeSource + Send, T: Transport + Sync>(
             _ = cancel.cancelled() => break,
         };
         let t0 = Instant::now();
-        backlog = batch.in_flight.is_some() || batch.changes >= limits.max_changes;
+        backlog = batch.more;
         let Some(upper) = batch.upper.filter(|u| *u > lower) else {
             // A wait that found nothing new, and nothing is in flight (only
             // this read's slot is taken): caught up. Otherwise the
@@ -665,8 +668,7 @@ mod tests {
         stall_at: Option<u64>,
         /// From here on, a read fails (the source lost).
         fail_at: Option<u64>,
-        /// Below here, a batch is full (a backlog): it reports as many
-        /// changes as the limit allows.
+        /// Below here, a batch closes with more ready (a backlog).
         full_below: Option<u64>,
     }
 
@@ -696,12 +698,12 @@ mod tests {
                 return Err(Error::Decode("the source connection was lost".into()));
             }
             let upper = pos(l + 1);
-            let full = self.full_below.is_some_and(|f| l < f);
             Ok(ReadBatch {
                 upper: Some(upper),
                 in_flight: None,
                 transactions: 1,
-                changes: if full { LIMITS.max_changes } else { 1 },
+                changes: 1,
+                more: self.full_below.is_some_and(|f| l < f),
                 records: vec![ChangeRecord {
                     entity: "customer".into(),
                     root_key: RootKey(vec![Some(format!("{}", l + 1))]),

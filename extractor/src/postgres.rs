@@ -192,6 +192,9 @@ pub struct SourceBatch {
     pub upper: PgLsn,
     /// The transactions.
     pub txs: Vec<Tx>,
+    /// More was ready when it closed: it reached `max_changes`, a large
+    /// transaction follows it, or it is a part of one ([`ReadBatch::more`]).
+    pub more: bool,
 }
 
 impl SourceBatch {
@@ -710,6 +713,7 @@ impl PgSource {
             lower,
             upper: upper.max(lower),
             txs,
+            more: count >= max_changes || self.draining.is_some(),
         })
     }
 
@@ -755,6 +759,7 @@ impl PgSource {
                 lower,
                 upper,
                 txs: vec![tx],
+                more: true,
             },
             in_flight,
         )))
@@ -1087,6 +1092,7 @@ impl ChangeSource for PgSource {
                 batch.txs.len()
             },
             changes: batch.change_count(),
+            more: batch.more,
             records,
             in_flight,
         })

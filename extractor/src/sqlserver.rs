@@ -1415,6 +1415,8 @@ impl MssqlSource {
             upper: Some(p.lsn.into()),
             transactions: usize::from(part.last),
             changes: part.changes.len(),
+            // A part: what follows the large transaction is read on.
+            more: true,
             records,
             in_flight: (!part.last).then(|| next.in_flight()),
         })
@@ -1860,6 +1862,11 @@ impl ChangeSource for MssqlSource {
             upper: Some(upper.into()),
             transactions: txs.len(),
             changes: changes.len(),
+            // The window stopped short of what CDC holds: a backlog. (Its
+            // changes can be far fewer than `max_changes`: the window
+            // counts change rows, two per update, and ends at the last
+            // transaction that fits.)
+            more: upper < max,
             records,
             in_flight: None,
         })

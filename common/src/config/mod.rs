@@ -40,7 +40,8 @@ pub const DEFAULT_KAFKA_BATCH_WAIT_MS: u64 = 20;
 /// Default longest time a batch stays open.
 pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
 /// Default `extractor.max_batches_in_flight`: the batch being applied and
-/// the next, read meanwhile. More only queue: with natural batching each
+/// the next, read meanwhile (in process, while a backlog is read; a live
+/// batch is read once those in flight are applied). More only queue: with natural batching each
 /// is what was ready when a slot freed, so a deeper queue adds a round of
 /// the appliers to every change's latency and gains no throughput
 /// (bench/run: 4 gave p50 310 ms live and 9.3 s for the backlog, 2 gave
