@@ -79,9 +79,11 @@ pub struct ReadBatch {
     pub changes: usize,
     /// Change records, in source order.
     pub records: Vec<ChangeRecord>,
-    /// More was ready when the batch closed (it reached `max_changes`, or
-    /// a large transaction's parts are being handed over): a backlog is
-    /// being read. `false` when it closed because nothing more was.
+    /// More was ready when the batch closed: a backlog is being read.
+    /// PostgreSQL: the read reached `max_changes`, or a large transaction
+    /// follows or is being handed over in parts. SQL Server: the window
+    /// stopped short of the highest LSN CDC holds, or a part. `false` when
+    /// it closed because nothing more was ready.
     pub more: bool,
 }
 
