@@ -174,6 +174,7 @@ pub async fn run_relay<S: Sidecar + Send>(
         let mut failures = 0u32;
         let mut stop_seen: Option<Instant> = None;
         loop {
+            let started = Instant::now();
             let n = match relay_once(&mut sidecar, sink.as_mut(), settings.batch, &scope).await {
                 Ok(n) => {
                     metrics::counter!(m::RELAY_SENT).increment(n as u64);
@@ -215,7 +216,7 @@ pub async fn run_relay<S: Sidecar + Send>(
             }
             let drained_enough = stop_seen.is_some_and(|t| t.elapsed() > STOP_DRAIN);
             if n > 0 && !drained_enough {
-                tracing::debug!(sent = n, "relayed");
+                tracing::debug!(sent = n, ms = started.elapsed().as_millis() as u64, "relayed");
                 continue;
             }
             if draining {

@@ -213,10 +213,27 @@ pub struct KafkaSink {
 const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(50);
 
 /// Collects delivery failures of a send: outbox id, whether the broker
-/// will never take the event, and the error.
+/// will never take the event, and the error; counts the delivery reports,
+/// so a send waits for them instead of sleeping.
 #[derive(Default)]
 pub struct DeliveryLog {
     failures: std::sync::Mutex<Vec<(i64, bool, String)>>,
+    reports: std::sync::Mutex<u64>,
+    reported: std::sync::Condvar,
+}
+
+impl DeliveryLog {
+    /// How many delivery reports were served so far.
+    fn reports(&self) -> u64 {
+        self.reports.lock().map(|n| *n).unwrap_or_default()
+    }
+
+    /// Waits at most `max` for a report after the `seen`-th.
+    fn wait_report(&self, seen: u64, max: std::time::Duration) {
+        if let Ok(n) = self.reports.lock() {
+            let _ = self.reported.wait_timeout_while(n, max, |n| *n == seen);
+        }
+    }
 }
 
 impl rdkafka::ClientContext for DeliveryLog {}
@@ -224,10 +241,20 @@ impl rdkafka::ClientContext for DeliveryLog {}
 impl rdkafka::producer::ProducerContext for DeliveryLog {
     type DeliveryOpaque = Box<i64>;
     fn delivery(&self, result: &rdkafka::message::DeliveryResult<'_>, outbox_id: Box<i64>) {
+        self.note(result, *outbox_id);
+        if let Ok(mut n) = self.reports.lock() {
+            *n += 1;
+        }
+        self.reported.notify_all();
+    }
+}
+
+impl DeliveryLog {
+    fn note(&self, result: &rdkafka::message::DeliveryResult<'_>, outbox_id: i64) {
         if let Err((e, m)) = result {
             if let Ok(mut f) = self.failures.lock() {
                 f.push((
-                    *outbox_id,
+                    outbox_id,
                     is_permanent(e),
                     format!(
                         "{} [{}]: {e}",
@@ -421,9 +448,7 @@ impl KafkaSink {
     /// queued after the wait is purged, so a retry never doubles it.
     fn settle(&self) -> Result<Vec<(i64, bool, String)>> {
         use rdkafka::producer::Producer;
-        let flushed = self
-            .producer
-            .flush(FLUSH_WAIT + std::time::Duration::from_secs(10));
+        let flushed = self.flush(FLUSH_WAIT + std::time::Duration::from_secs(10));
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             return Err(Error::Data(format!(
                 "the Kafka sink producer failed for good ({code:?}: {reason}); restart the relay"
@@ -447,13 +472,46 @@ impl KafkaSink {
 }
 
 impl KafkaSink {
+    /// Waits up to `max` until nothing enqueued is outstanding (every
+    /// delivery report served), as `flush` does, but woken by the reports:
+    /// the producer's polling thread serves them, and rdkafka's `flush` of a
+    /// `ThreadedProducer` polls in steps of 100 ms that those reports never
+    /// cut short, so each send waited about 100 ms for nothing.
+    fn flush(&self, max: std::time::Duration) -> std::result::Result<(), String> {
+        use rdkafka::producer::Producer;
+        let deadline = std::time::Instant::now() + max;
+        let ctx = self.producer.context();
+        loop {
+            let seen = ctx.reports();
+            if self.producer.in_flight_count() == 0 {
+                return Ok(());
+            }
+            if let Some((_, reason)) = self.producer.client().fatal_error() {
+                return Err(reason);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "{} event(s) still unacknowledged after {max:?}",
+                    self.producer.in_flight_count()
+                ));
+            }
+            // A report is counted just before its message is released, so
+            // the last one may leave the count at 1 for a moment: look
+            // again after a short wait even without a new report.
+            ctx.wait_report(seen, left.min(std::time::Duration::from_millis(2)));
+        }
+    }
+}
+
+impl KafkaSink {
     /// Drops what is still queued (not in flight: the idempotent producer
     /// must see those through) and waits a moment for the purged messages'
     /// reports, so none of them is taken for a later send's.
     fn purge(&self) {
         use rdkafka::producer::{Producer, PurgeConfig};
         self.producer.purge(PurgeConfig::default().queue());
-        let _ = self.producer.flush(std::time::Duration::from_secs(5));
+        let _ = self.flush(std::time::Duration::from_secs(5));
         if let Ok(mut f) = self.producer.context().failures.lock() {
             f.clear();
         }
