@@ -200,6 +200,19 @@ pub struct InProcessInbox {
     dialect: Dialect,
 }
 
+/// An applier that stops (a failure before any delivery, say) drops its
+/// inbox: the slices still queued in the channels answer "disconnected"
+/// so the extractor stops with the applier instead of waiting for them.
+/// (A channel keeps its queued slices while a sender lives, and with them
+/// the acknowledgement the extractor waits on.)
+impl Drop for InProcessInbox {
+    fn drop(&mut self) {
+        for r in &self.receivers {
+            while r.try_recv().is_ok() {}
+        }
+    }
+}
+
 /// How long a round waits for the other partitions' slices of a batch once
 /// the first arrived.
 const GATHER: Duration = Duration::from_millis(50);
@@ -425,19 +438,27 @@ mod tests {
             inbox.committed(1, Err("boom".into())).await.unwrap();
             inbox
         });
-        let b = Batch {
-            seq: 1,
-            lower: PgLsn(1).into(),
-            upper: PgLsn(2).into(),
-            has_data_loss: false,
-            records: vec![rec("1", 0)],
-        };
+        let b = one_record(1, 0);
         let e = t.send(b).await.unwrap_err();
         assert!(
             matches!(e, Error::ApplierFailed { partition: 1, .. }),
             "{e}"
         );
         appliers.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_dropped_inbox_fails_the_slices_it_never_took() {
+        let (t, inbox) = InProcess::new(1, 4, Dialect::Postgres);
+        let b = one_record(1, 0);
+        // Queued in the channel, never taken by the applier.
+        let ack = t.submit(b).await.unwrap();
+        drop(inbox);
+        let e = tokio::time::timeout(Duration::from_secs(5), ack)
+            .await
+            .expect("the extractor must not wait for an applier that is gone")
+            .unwrap_err();
+        assert!(matches!(e, Error::Disconnected { partition: 0 }), "{e}");
     }
 
     #[tokio::test]
