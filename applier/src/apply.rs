@@ -1049,7 +1049,7 @@ impl<S: Sidecar> Applier<S> {
             versions,
             explicit: batch.explicit,
         };
-        failpoint("applier.before_sidecar");
+        skein_common::failpoint::failpoint_result("applier.before_sidecar").map_err(Error::Data)?;
         let t_built = started.elapsed();
         let result = self.sidecar.commit(&commit).await;
         // Where a batch's time went (bench/README: SKEIN_LOG=...=debug):

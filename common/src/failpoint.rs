@@ -3,7 +3,9 @@
 //! named point. `SKEIN_FAILPOINT=<name>:<n>` aborts on the n-th time.
 //! `SKEIN_FAILPOINT=<name>:<n>:sleep=<ms>` instead stalls the calling thread
 //! that long on the n-th time (a process paused mid-batch, as by a long GC
-//! or a frozen VM), then carries on.
+//! or a frozen VM), then carries on. `SKEIN_FAILPOINT=<name>:<n>:error=<ms>`
+//! stalls that long and then fails the step (a point checked with
+//! [`failpoint_result`]; [`failpoint`] carries on).
 //! Costs one environment read per call when unset; the points sit on batch
 //! boundaries, not per row.
 
@@ -16,30 +18,38 @@ static HITS: AtomicU64 = AtomicU64::new(0);
 enum Action {
     Abort,
     Sleep(u64),
+    Error(u64),
 }
 
 fn parse(spec: &str) -> (&str, u64, Action) {
     let mut parts = spec.split(':');
     let point = parts.next().unwrap_or("");
     let nth = parts.next().and_then(|n| n.parse().ok()).unwrap_or(1);
-    let action = match parts.next().and_then(|a| a.strip_prefix("sleep=")) {
-        Some(ms) => Action::Sleep(ms.parse().unwrap_or(0)),
-        None => Action::Abort,
+    let action = match parts.next() {
+        Some(a) if a.starts_with("sleep=") => Action::Sleep(a[6..].parse().unwrap_or(0)),
+        Some(a) if a.starts_with("error=") => Action::Error(a[6..].parse().unwrap_or(0)),
+        _ => Action::Abort,
     };
     (point, nth, action)
 }
 
 /// Aborts (or stalls) the process if `SKEIN_FAILPOINT` names this point.
 pub fn failpoint(name: &str) {
+    let _ = failpoint_result(name);
+}
+
+/// [`failpoint`], and an `error=` action fails the step: `Err` with a
+/// message naming the point.
+pub fn failpoint_result(name: &str) -> Result<(), String> {
     let Ok(spec) = std::env::var("SKEIN_FAILPOINT") else {
-        return;
+        return Ok(());
     };
     let (point, nth, action) = parse(&spec);
     if point != name {
-        return;
+        return Ok(());
     }
     if HITS.fetch_add(1, Ordering::SeqCst) + 1 != nth {
-        return;
+        return Ok(());
     }
     match action {
         Action::Abort => {
@@ -51,7 +61,13 @@ pub fn failpoint(name: &str) {
             std::thread::sleep(std::time::Duration::from_millis(ms));
             eprintln!("skein: failpoint `{name}` resumes");
         }
+        Action::Error(ms) => {
+            eprintln!("skein: failpoint `{name}` reached, failing in {ms} ms");
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            return Err(format!("failpoint `{name}`"));
+        }
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -63,5 +79,6 @@ mod tests {
         assert_eq!(parse("a.b"), ("a.b", 1, Action::Abort));
         assert_eq!(parse("a.b:3"), ("a.b", 3, Action::Abort));
         assert_eq!(parse("a.b:2:sleep=500"), ("a.b", 2, Action::Sleep(500)));
+        assert_eq!(parse("a.b:2:error=70"), ("a.b", 2, Action::Error(70)));
     }
 }
