@@ -201,6 +201,17 @@ pub trait Inbox: Send {
     /// Waits for the next round (up to the transport's batch wait); an
     /// empty round means idle.
     fn next(&mut self) -> impl Future<Output = Result<Round>> + Send;
+    /// Whether the applier may ask for the next round while deliveries it
+    /// was given are still being applied (and acknowledge them after that
+    /// round): a partition's next delivery may then come before the
+    /// previous one was acknowledged, and the applier holds it until then.
+    /// Kafka: yes, its acknowledgement is advisory and its rounds are what
+    /// the consumer fetched. In process: no, an acknowledgement is what
+    /// frees the extractor, and `next` waits only on partitions with
+    /// nothing unacknowledged.
+    fn delivers_while_applying(&self) -> bool {
+        false
+    }
     /// The outcome of applying the partition's last delivery.
     fn committed(
         &mut self,

@@ -4,8 +4,12 @@
 //! partition resumes ([`ResumeAt`], read from the sidecar) and assigns the
 //! partition at that offset: the sidecar, not Kafka's committed offset, is
 //! the truth; the Kafka offset is committed after the sidecar, for lag tools
-//! only. Rebalance callbacks run inside `poll`, never while a round is being
-//! applied, so a revoked partition's round has either been committed or is
+//! only. Rebalance callbacks run inside `poll`, which the applier loop calls
+//! while applies run ([`Inbox::delivers_while_applying`]): a revoked
+//! partition's apply may still commit after the revocation. The sidecar
+//! fences it if the new owner claimed the partition first; otherwise the new
+//! owner, placed at the progress it read on assignment, drops the records
+//! that commit covered. What the inbox holds for a revoked partition is
 //! dropped unapplied. Records that cannot be decoded go to the dead-letter
 //! topic ([`super::dlq_topic`]) with the reason in a header.
 
@@ -597,6 +601,12 @@ impl Inbox for KafkaInbox {
 
     fn checkpoint_kind(&self) -> CheckpointKind {
         CheckpointKind::Offset
+    }
+
+    /// Yes: a poll dropped mid-way keeps its records for the next call, and
+    /// offset commits are advisory.
+    fn delivers_while_applying(&self) -> bool {
+        true
     }
 
     async fn next(&mut self) -> Result<Round> {
