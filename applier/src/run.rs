@@ -7,7 +7,7 @@
 //! inside the inboxes, so the loop itself never blocks a worker and holds
 //! no lock across an await.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use skein_common::config::Config;
 use skein_common::{Checkpoint, CheckpointKind};
 use skein_sql::Catalog;
 use skein_transporter::kafka::ResumeAt;
-use skein_transporter::{Inbox, Membership};
+use skein_transporter::{Delivery, Inbox, Membership};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, info_span, warn, Instrument};
 
@@ -76,14 +76,308 @@ pub async fn check_identifier_mapping(cfg: &Config, catalog: &Catalog) -> Result
     crate::identifiers::check(cfg, &full)
 }
 
+/// Most records held for partitions whose apply is running
+/// ([`Inbox::delivers_while_applying`]) before the loop stops asking the
+/// inbox for more until an apply finishes.
+const HELD_LIMIT: usize = 50_000;
+
+/// How long one apply may run before the loop stops asking the inbox for
+/// more until it is back. Over Kafka a member that does not poll leaves
+/// its group after `max.poll.interval.ms`, so a hung apply (a sidecar or
+/// source that stopped answering) still gives its partitions to another
+/// applier, as when every apply waited for the round.
+const STALLED: Duration = Duration::from_secs(10);
+
+/// What a partition's task does.
+enum Work {
+    /// Applies a delivery.
+    Delivery(Delivery),
+    /// Publishes a page of the partition's queued explicit keys
+    /// ([`Applier::explicit_once`]).
+    Explicit,
+}
+
+/// What a partition's task gives back.
+struct Finished {
+    partition: u32,
+    /// The delivery's progress to acknowledge; `None` for explicit keys.
+    upper: Option<Checkpoint>,
+    applier: Applier<AnySidecar>,
+    result: Result<crate::apply::Applied>,
+}
+
+/// The partitions' appliers, their running applies and what waits for
+/// them. Nothing here touches the inbox: what it owes the inbox
+/// (acknowledgements, seeks) is queued and handed over when no `next` is
+/// in flight.
+struct Lanes {
+    /// Appliers with no apply running.
+    idle: HashMap<u32, Applier<AnySidecar>>,
+    tasks: tokio::task::JoinSet<Finished>,
+    /// The partition of each running task (a panicked task names none),
+    /// and when it started.
+    running: HashMap<tokio::task::Id, (u32, Instant)>,
+    /// Deliveries of partitions whose apply is running, in order.
+    held: HashMap<u32, VecDeque<Delivery>>,
+    held_records: usize,
+    /// Partitions assigned or revoked while their apply ran: their applier
+    /// forgets what it knew when the apply is back.
+    retake: HashSet<u32>,
+    /// Fenced partitions to seek to their stored progress; their
+    /// deliveries are refused until then.
+    reseek: BTreeSet<u32>,
+    /// Outcomes owed to the inbox, in order.
+    acks: Vec<(u32, std::result::Result<Checkpoint, String>)>,
+    /// When each partition looks at its explicit queue next (now, when
+    /// absent).
+    explicit_due: HashMap<u32, Instant>,
+    /// The failure that stops the loop; nothing new starts after it.
+    fatal: Option<Error>,
+    /// The loop is stopping: nothing new starts.
+    stopping: bool,
+}
+
+impl Lanes {
+    fn new() -> Lanes {
+        Lanes {
+            idle: HashMap::new(),
+            tasks: tokio::task::JoinSet::new(),
+            running: HashMap::new(),
+            held: HashMap::new(),
+            held_records: 0,
+            retake: HashSet::new(),
+            reseek: BTreeSet::new(),
+            acks: vec![],
+            explicit_due: HashMap::new(),
+            fatal: None,
+            stopping: false,
+        }
+    }
+
+    fn busy(&self, p: u32) -> bool {
+        self.running.values().any(|(r, _)| *r == p)
+    }
+
+    /// Whether a task has run longer than [`STALLED`].
+    fn stalled(&self) -> bool {
+        self.running.values().any(|(_, t)| t.elapsed() > STALLED)
+    }
+
+    fn spawn(&mut self, p: u32, work: Work, mut a: Applier<AnySidecar>) {
+        let task = self.tasks.spawn(
+            async move {
+                let (upper, result) = match work {
+                    Work::Delivery(d) => (Some(d.upper), a.apply(&d).await),
+                    Work::Explicit => (None, a.explicit_once().await),
+                };
+                Finished {
+                    partition: p,
+                    upper,
+                    applier: a,
+                    result,
+                }
+            }
+            .instrument(info_span!("partition", partition = p)),
+        );
+        self.running.insert(task.id(), (p, Instant::now()));
+    }
+
+    fn explicit_due(&self, p: u32) -> bool {
+        self.explicit_due
+            .get(&p)
+            .is_none_or(|t| *t <= Instant::now())
+    }
+
+    /// Starts the partition's next work on its idle applier `a`, if any:
+    /// deliveries and explicit pages take turns (`after_explicit`: the
+    /// last work was an explicit page), so neither starves the other.
+    /// Gives `a` back when there is nothing to do.
+    fn start_next(
+        &mut self,
+        p: u32,
+        a: Applier<AnySidecar>,
+        after_explicit: bool,
+        mine: bool,
+    ) -> Option<Applier<AnySidecar>> {
+        if self.fatal.is_some() || self.stopping || self.reseek.contains(&p) {
+            return Some(a);
+        }
+        let explicit = mine && self.explicit_due(p);
+        if explicit && (!after_explicit || !self.held.contains_key(&p)) {
+            self.spawn(p, Work::Explicit, a);
+            return None;
+        }
+        match self.unhold(p) {
+            Some(d) => {
+                self.spawn(p, Work::Delivery(d), a);
+                None
+            }
+            None => Some(a),
+        }
+    }
+
+    /// Queues `d` behind its partition's running apply; contiguous
+    /// deliveries become one, up to `merge_limit` records, applied together
+    /// when the partition is free.
+    fn hold(&mut self, d: Delivery, merge_limit: usize) {
+        self.held_records += d.records.len();
+        let q = self.held.entry(d.partition).or_default();
+        match q.back_mut() {
+            Some(last)
+                if last.upper == d.lower && last.records.len() + d.records.len() <= merge_limit =>
+            {
+                last.records.extend(d.records);
+                last.upper = d.upper;
+                last.has_data_loss |= d.has_data_loss;
+                last.dead_letters += d.dead_letters;
+            }
+            _ => q.push_back(d),
+        }
+    }
+
+    /// The next held delivery of `p`, if any.
+    fn unhold(&mut self, p: u32) -> Option<Delivery> {
+        let q = self.held.get_mut(&p)?;
+        let d = q.pop_front();
+        if q.is_empty() {
+            self.held.remove(&p);
+        }
+        if let Some(d) = &d {
+            self.held_records -= d.records.len();
+        }
+        d
+    }
+
+    /// Refuses what is held for `p` (a revocation, a fence, a stop).
+    fn drop_held(&mut self, p: u32, why: &str) {
+        while let Some(d) = self.unhold(p) {
+            self.acks.push((d.partition, Err(why.to_string())));
+        }
+    }
+
+    /// Acts on a finished task: a delivery's outcome is queued for the
+    /// inbox, and the partition's applier takes its next work or is idle
+    /// again. `mine`: the partitions owned now.
+    fn finished(
+        &mut self,
+        joined: std::result::Result<(tokio::task::Id, Finished), tokio::task::JoinError>,
+        mine: &BTreeSet<u32>,
+    ) {
+        let f = match joined {
+            Ok((id, f)) => {
+                self.running.remove(&id);
+                f
+            }
+            Err(e) => {
+                // A panicked task: its partition is not acknowledged, which
+                // stops the extractor (in-process) or leaves the records
+                // for a restart (Kafka).
+                if let Some((p, _)) = self.running.remove(&e.id()) {
+                    self.drop_held(p, "not applied: the partition's apply task failed");
+                }
+                self.fatal
+                    .get_or_insert(Error::Data(format!("an apply task failed: {e}")));
+                return;
+            }
+        };
+        let Finished {
+            partition: p,
+            upper,
+            applier: mut a,
+            result,
+        } = f;
+        if self.retake.remove(&p) {
+            a.taken_over();
+        }
+        let explicit = upper.is_none();
+        match result {
+            Ok(done) => match upper {
+                Some(upper) => self.acks.push((p, Ok(upper))),
+                // Keys were queued: look again at once; none: after a while.
+                None => {
+                    let wait = if done.records > 0 {
+                        Duration::ZERO
+                    } else {
+                        EXPLICIT_POLL
+                    };
+                    self.explicit_due.insert(p, Instant::now() + wait);
+                }
+            },
+            Err(e) => match after_failure(&e) {
+                AfterFailure::Reseek => {
+                    if explicit {
+                        warn!(partition = p, error = %e, "fenced while publishing explicit keys: another applier moved this partition's progress; nothing was written, re-seeking");
+                    } else {
+                        warn!(partition = p, error = %e, "fenced: another applier moved this partition's progress; nothing was written, re-seeking");
+                        self.acks.push((p, Err(e.to_string())));
+                    }
+                    a.fenced();
+                    self.drop_held(p, "not applied: the partition is re-seeked after a fence");
+                    self.reseek.insert(p);
+                }
+                AfterFailure::Stop => {
+                    if explicit {
+                        error!(partition = p, error = %e, "publishing explicit keys failed");
+                    } else {
+                        error!(partition = p, error = %e, "batch failed");
+                        self.acks.push((p, Err(e.to_string())));
+                    }
+                    self.drop_held(p, "not applied: an earlier batch of the partition failed");
+                    self.fatal.get_or_insert(e);
+                }
+            },
+        }
+        if let Some(a) = self.start_next(p, a, explicit, mine.contains(&p)) {
+            self.idle.insert(p, a);
+        }
+    }
+
+    /// Waits for every running apply (no batch is abandoned
+    /// mid-transaction) and refuses what is held.
+    async fn settle(&mut self, mine: &BTreeSet<u32>) {
+        self.stopping = true;
+        while let Some(j) = self.tasks.join_next_with_id().await {
+            self.finished(j, mine);
+        }
+        let held: Vec<u32> = self.held.keys().copied().collect();
+        for p in held {
+            self.drop_held(p, "not applied: the applier is stopping");
+        }
+    }
+
+    /// Hands the queued outcomes to the inbox; the first failure to do so
+    /// stops the loop.
+    async fn acknowledge<I: Inbox>(&mut self, inbox: &mut I, mine: &BTreeSet<u32>) {
+        for (p, outcome) in std::mem::take(&mut self.acks) {
+            // A partition revoked meanwhile is another member's now: its
+            // (advisory) offset is not this one's to move.
+            if !mine.contains(&p) {
+                continue;
+            }
+            let failed = outcome.is_err();
+            if let Err(e) = inbox.committed(p, outcome).await {
+                if !failed {
+                    error!(partition = p, error = %e, "acknowledging a batch failed");
+                    self.fatal.get_or_insert(e.into());
+                }
+            }
+        }
+    }
+}
+
 /// Runs the appliers of every partition the inbox assigns until the inbox
 /// closes (in-process: the extractor is gone) or `cancel` fires (Kafka).
 ///
 /// Per round: membership changes first (ownership for the relay, cached
 /// progress forgotten), then every delivery applied concurrently, each
-/// acknowledged to the inbox after its sidecar transaction. A fenced
-/// partition is re-seeked to the stored progress; any other failure is
-/// reported to the inbox and stops the loop with the error.
+/// acknowledged to the inbox after its sidecar transaction. Where the
+/// inbox delivers while applying ([`Inbox::delivers_while_applying`],
+/// Kafka), a partition's apply does not wait for the others of its round:
+/// the loop asks for the next round while applies run, starts a delivery
+/// at once when its partition is free and holds it behind the running
+/// apply otherwise. A fenced partition is re-seeked to the stored
+/// progress; any other failure waits for the running applies, is reported
+/// to the inbox and stops the loop with the error.
 pub async fn run<I: Inbox>(
     cfg: &Config,
     catalog: &Catalog,
@@ -93,38 +387,107 @@ pub async fn run<I: Inbox>(
 ) -> Result<()> {
     let topic = inbox.topic().to_string();
     let kind = inbox.checkpoint_kind();
+    let overlap = inbox.delivers_while_applying();
     let span = info_span!("applier", topic = %topic);
     async move {
-        let mut appliers: HashMap<u32, Applier<AnySidecar>> = HashMap::new();
+        let mut lanes = Lanes::new();
         let mut last_check = Instant::now();
         // The partitions this loop was given: their explicit queues are its.
         let mut mine: BTreeSet<u32> = BTreeSet::new();
-        let mut last_explicit: Option<Instant> = None;
-        let mut explicit_busy = false;
         loop {
-            if explicit_busy || last_explicit.is_none_or(|t| t.elapsed() > EXPLICIT_POLL) {
-                last_explicit = Some(Instant::now());
-                explicit_busy = explicit_pass(cfg, catalog, &topic, kind, &mine, &mut appliers, inbox).await?;
+            // Tasks done while the inbox was waited on (explicit pages on an
+            // idle stream, say) free their partitions.
+            while let Some(j) = lanes.tasks.try_join_next_with_id() {
+                lanes.finished(j, &mine);
             }
-            let round = tokio::select! {
-                r = inbox.next() => r?,
-                _ = cancel.cancelled() => break,
-            };
-            for m in &round.membership {
-                match m {
-                    Membership::Assigned(ps) => mine.extend(ps.iter().copied()),
-                    Membership::Revoked(ps) => {
-                        for p in ps {
-                            mine.remove(p);
-                        }
+            // No `next` is in flight here: what the inbox is owed goes first.
+            lanes.acknowledge(inbox, &mine).await;
+            for p in std::mem::take(&mut lanes.reseek) {
+                if let (true, Some(a)) = (mine.contains(&p), lanes.idle.get_mut(&p)) {
+                    if let Err(e) = reseek(a, p, inbox).await {
+                        lanes.fatal.get_or_insert(e);
                     }
                 }
+            }
+            if lanes.fatal.is_some() {
+                break;
+            }
+            // Owned partitions with no task running look at their explicit
+            // queues when due (a running one does when it is done).
+            for &p in &mine {
+                if lanes.busy(p) || !lanes.explicit_due(p) || lanes.held.contains_key(&p) {
+                    continue;
+                }
+                let a = match lanes.idle.remove(&p) {
+                    Some(a) => a,
+                    None => match connect(cfg, catalog, &topic, p, kind).await {
+                        Ok(a) => a,
+                        Err(e) => {
+                            error!(partition = p, error = %e, "the applier could not start");
+                            lanes.fatal.get_or_insert(e);
+                            break;
+                        }
+                    },
+                };
+                if let Some(a) = lanes.start_next(p, a, false, true) {
+                    lanes.idle.insert(p, a);
+                }
+            }
+            if lanes.fatal.is_some() {
+                break;
+            }
+            let round = if overlap {
+                let next = inbox.next();
+                tokio::pin!(next);
+                loop {
+                    // After a failure nothing new is taken: the loop stops.
+                    // (A poll dropped mid-way keeps its records.)
+                    if lanes.fatal.is_some() {
+                        break None;
+                    }
+                    let hold_on = !lanes.tasks.is_empty()
+                        && (lanes.held_records >= HELD_LIMIT || lanes.stalled());
+                    tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => break None,
+                        Some(j) = lanes.tasks.join_next_with_id(), if !lanes.tasks.is_empty() => lanes.finished(j, &mine),
+                        r = &mut next, if !hold_on => break Some(r),
+                    }
+                }
+            } else {
+                tokio::select! {
+                    r = inbox.next() => Some(r),
+                    _ = cancel.cancelled() => None,
+                }
+            };
+            let round = match round {
+                // Cancelled, or (above) a task failed.
+                None => break,
+                Some(Ok(r)) => r,
+                Some(Err(e)) => {
+                    lanes.fatal.get_or_insert(e.into());
+                    break;
+                }
+            };
+            for m in &round.membership {
                 let (Membership::Assigned(ps) | Membership::Revoked(ps)) = m;
                 for p in ps {
+                    match m {
+                        Membership::Assigned(_) => {
+                            mine.insert(*p);
+                        }
+                        Membership::Revoked(_) => {
+                            mine.remove(p);
+                            lanes.drop_held(*p, "not applied: the partition was revoked");
+                            lanes.reseek.remove(p);
+                        }
+                    }
                     // Whoever held the partition meanwhile may have moved
                     // it; taking it again claims it (a new epoch).
-                    if let Some(a) = appliers.get_mut(p) {
+                    if let Some(a) = lanes.idle.get_mut(p) {
                         a.taken_over();
+                    } else if lanes.busy(*p) {
+                        lanes.retake.insert(*p);
                     }
                 }
                 if let Some(o) = &owned {
@@ -147,23 +510,22 @@ pub async fn run<I: Inbox>(
                 }
                 if last_check.elapsed() > PROGRESS_CHECK {
                     last_check = Instant::now();
-                    recheck_progress(&mut appliers, inbox).await;
+                    recheck_progress(&mut lanes.idle, inbox).await;
                 }
                 continue;
             }
             // Every partition of the round gets its applier first: a
             // partition that cannot start fails the whole round, each
             // delivery acknowledged with the reason, before anything is applied.
-            let mut ready = Vec::with_capacity(round.deliveries.len());
             let mut failed_start = None;
             for d in &round.deliveries {
                 let p = d.partition;
-                if appliers.contains_key(&p) || failed_start.is_some() {
+                if lanes.idle.contains_key(&p) || lanes.busy(p) || failed_start.is_some() {
                     continue;
                 }
                 match connect(cfg, catalog, &topic, p, kind).await {
                     Ok(a) => {
-                        appliers.insert(p, a);
+                        lanes.idle.insert(p, a);
                     }
                     Err(e) => failed_start = Some((p, e)),
                 }
@@ -172,117 +534,46 @@ pub async fn run<I: Inbox>(
                 error!(partition = p, error = %e, "the applier could not start");
                 let reason = format!("the applier of partition {p} could not start: {e}");
                 for d in &round.deliveries {
-                    inbox.committed(d.partition, Err(reason.clone())).await?;
+                    lanes.acks.push((d.partition, Err(reason.clone())));
                 }
-                return Err(e);
+                lanes.fatal.get_or_insert(e);
+                break;
             }
+            let merge_limit = cfg.extractor.max_batch_changes.max(1);
             for d in round.deliveries {
-                let a = appliers.remove(&d.partition).expect("connected above");
-                ready.push((d, a));
-            }
-            let mut tasks = tokio::task::JoinSet::new();
-            for (d, mut a) in ready {
                 let p = d.partition;
-                tasks.spawn(
-                    async move {
-                        let r = a.apply(&d).await;
-                        (d.partition, d.upper, a, r)
-                    }
-                    .instrument(info_span!("partition", partition = p)),
-                );
-            }
-            // Join every task before acting on a failure: no batch of the
-            // round is abandoned mid-transaction, every one is acknowledged.
-            let mut fatal: Option<Error> = None;
-            while let Some(joined) = tasks.join_next().await {
-                let (p, upper, mut a, r) = match joined {
-                    Ok(done) => done,
-                    Err(e) => {
-                        // A panicked task: its partition is not acknowledged,
-                        // which stops the extractor (in-process) or leaves
-                        // the records for a restart (Kafka).
-                        fatal.get_or_insert(Error::Data(format!("an apply task failed: {e}")));
-                        continue;
-                    }
-                };
-                let outcome = match r {
-                    Ok(_) => inbox.committed(p, Ok(upper)).await.map_err(Error::from),
-                    Err(e) => match after_failure(&e) {
-                        AfterFailure::Reseek => {
-                            warn!(partition = p, error = %e, "fenced: another applier moved this partition's progress; nothing was written, re-seeking");
-                            a.fenced();
-                            match inbox.committed(p, Err(e.to_string())).await {
-                                Ok(()) => reseek(&mut a, p, inbox).await,
-                                Err(e) => Err(e.into()),
-                            }
-                        }
-                        AfterFailure::Stop => {
-                            let _ = inbox.committed(p, Err(e.to_string())).await;
-                            Err(e)
-                        }
-                    },
-                };
-                if let Err(e) = outcome {
-                    error!(partition = p, error = %e, "batch failed");
-                    fatal.get_or_insert(e);
+                if lanes.fatal.is_some() {
+                    lanes.acks.push((p, Err("not applied: the applier is stopping after a failure".into())));
+                } else if lanes.reseek.contains(&p) {
+                    // Read before the seek to the stored progress: the
+                    // inbox delivers the partition again from there.
+                    lanes.acks.push((p, Err("not applied: the partition is re-seeked after a fence".into())));
+                } else if lanes.busy(p) || lanes.held.contains_key(&p) {
+                    lanes.hold(d, merge_limit);
+                } else {
+                    let a = lanes.idle.remove(&p).expect("connected above");
+                    lanes.spawn(p, Work::Delivery(d), a);
                 }
-                appliers.insert(p, a);
             }
-            if let Some(e) = fatal {
-                return Err(e);
+            if !overlap {
+                // One round at a time: every apply is back (and
+                // acknowledged at once) before the next round is asked for.
+                while let Some(j) = lanes.tasks.join_next_with_id().await {
+                    lanes.finished(j, &mine);
+                    lanes.acknowledge(inbox, &mine).await;
+                }
             }
+        }
+        lanes.settle(&mine).await;
+        lanes.acknowledge(inbox, &mine).await;
+        if let Some(e) = lanes.fatal {
+            return Err(e);
         }
         info!("applier stopping");
         Ok(())
     }
     .instrument(span)
     .await
-}
-
-/// Publishes a page of each owned partition's queued explicit keys
-/// ([`Applier::explicit_once`]), one partition after the other, between
-/// rounds: serialised with the partition's deliveries. Returns whether any
-/// partition had some (look again at once). A fence re-seeks the
-/// partition, as for a delivery; any other failure stops the loop.
-async fn explicit_pass<I: Inbox>(
-    cfg: &Config,
-    catalog: &Catalog,
-    topic: &str,
-    kind: CheckpointKind,
-    mine: &BTreeSet<u32>,
-    appliers: &mut HashMap<u32, Applier<AnySidecar>>,
-    inbox: &mut I,
-) -> Result<bool> {
-    let mut busy = false;
-    for &p in mine {
-        if let std::collections::hash_map::Entry::Vacant(v) = appliers.entry(p) {
-            match connect(cfg, catalog, topic, p, kind).await {
-                Ok(a) => v.insert(a),
-                Err(e) => {
-                    error!(partition = p, error = %e, "the applier could not start");
-                    return Err(e);
-                }
-            };
-        }
-        let a = appliers.get_mut(&p).expect("connected above");
-        match a
-            .explicit_once()
-            .instrument(info_span!("partition", partition = p))
-            .await
-        {
-            Ok(done) => busy |= done.records > 0,
-            Err(e) if after_failure(&e) == AfterFailure::Reseek => {
-                warn!(partition = p, error = %e, "fenced while publishing explicit keys: another applier moved this partition's progress; nothing was written, re-seeking");
-                a.fenced();
-                reseek(a, p, inbox).await?;
-            }
-            Err(e) => {
-                error!(partition = p, error = %e, "publishing explicit keys failed");
-                return Err(e);
-            }
-        }
-    }
-    Ok(busy)
 }
 
 /// Moves the inbox of partition `p` to the applier's stored progress.

@@ -610,6 +610,26 @@ impl Env {
             .collect()
     }
 
+    /// The `subject` of every outbox event, in outbox order.
+    pub async fn outbox_subjects(&self) -> Vec<String> {
+        self.outbox()
+            .await
+            .iter()
+            .map(|e| e["subject"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    /// The `key` column of every outbox row, in outbox order.
+    pub async fn outbox_keys(&self) -> Vec<String> {
+        self.db
+            .query("SELECT key FROM skein.outbox ORDER BY id", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
     pub async fn outbox(&self) -> Vec<Value> {
         self.db
             .query("SELECT event FROM skein.outbox ORDER BY id", &[])
