@@ -588,6 +588,35 @@ async fn marker_reset_past_changes_records_the_loss_in_the_sidecar() {
     assert!(lossy >= 1, "the skipped range is recorded in the sidecar");
 }
 
+/// An applier that commits events wakes its process's relay: they are
+/// sent at once, not after `sink.relay_poll_ms` (an hour here), which an
+/// idle relay otherwise waits before it looks again.
+#[tokio::test(flavor = "multi_thread")]
+async fn committed_events_wake_the_relay() {
+    let env = Env::new("relay_wake", |y| {
+        let path = "  path: ${SKEIN_OUT_DIR}/events.jsonl\n";
+        assert!(y.contains(path), "{y}");
+        y.replace(path, &format!("{path}  relay_poll_ms: 3600000\n"))
+    })
+    .await;
+    let mut run = env.start().await;
+    // Each step waits (60 s at most) until its event is relayed; the
+    // relay is idle before each.
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    env.step(&mut run, "UPDATE customer SET name = 'Ada L' WHERE id = 1;")
+        .await;
+    run.stop(&env);
+    assert_eq!(
+        env.subject_actions(),
+        ["customer.1 created", "customer.1 updated"]
+    );
+    assert_exactly_once(&env).await;
+}
+
 /// A `skein relay` started beside the pipeline's own relay stands by
 /// instead of relaying the same outbox out of order (issue 10, defect 7);
 /// `skein status` shows who holds the relay lease.

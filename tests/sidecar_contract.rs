@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{admin_url, connect, recreate_db};
-use skein_applier::relay::{purge, relay_once, run_relay, RelayScope, RelaySettings};
+use skein_applier::relay::{purge, relay_once, run_relay, RelayScope, RelaySettings, RelayWake};
 use skein_applier::sidecar::{
     AnySidecar, BatchCommit, ExplicitChunk, Fence, NewRun, OutboxRow, PgSidecar, Rewind, Sidecar,
     VersionRow,
@@ -515,6 +515,7 @@ async fn a_stopping_relay_leaves_a_long_backlog_pending() {
         settings(1),
         RelayScope::All,
         "stop drain".into(),
+        RelayWake::default(),
         cancel.clone(),
     ));
     while log.lock().unwrap().is_empty() {
@@ -843,6 +844,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
         settings(3),
         RelayScope::Partitions(owned_a.clone()),
         "apply a".into(),
+        RelayWake::default(),
         cancel_a.clone(),
     ));
     let relay_b = tokio::spawn(run_relay(
@@ -851,6 +853,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
         settings(2),
         RelayScope::Partitions(owned_b.clone()),
         "apply b".into(),
+        RelayWake::default(),
         cancel_b.clone(),
     ));
 

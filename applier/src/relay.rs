@@ -15,6 +15,25 @@ use crate::error::{Error, Result};
 use crate::sidecar::Sidecar;
 use crate::sink::Sink;
 
+/// Wakes this process's idle relay when an applier of the process has
+/// committed outbox rows, so they go out at once instead of after up to
+/// `sink.relay_poll_ms`. A wake-up that finds the relay busy is kept for its
+/// next idle wait (one at most), so none is lost between its last look and
+/// its wait. A relay of another process (`skein relay`) still polls.
+#[derive(Clone, Debug, Default)]
+pub struct RelayWake(Arc<tokio::sync::Notify>);
+
+impl RelayWake {
+    /// Says that outbox rows were committed.
+    pub fn outbox_written(&self) {
+        self.0.notify_one();
+    }
+
+    async fn wait(&self) {
+        self.0.notified().await
+    }
+}
+
 /// Which outbox rows a relay takes.
 #[derive(Clone, Debug, Default)]
 pub enum RelayScope {
@@ -121,13 +140,15 @@ pub fn is_transient(e: &Error) -> bool {
 /// transient failure is retried with exponential backoff (the rows stay
 /// pending and keep their order); any other stops the relay with the
 /// error. Its state and last error are reported to the sidecar under
-/// `name` (`skein status`); the report is best effort.
+/// `name` (`skein status`); the report is best effort. An idle relay looks
+/// again after `settings.poll`, or as soon as `wake` says rows were written.
 pub async fn run_relay<S: Sidecar + Send>(
     mut sidecar: S,
     mut sink: Box<dyn Sink>,
     settings: RelaySettings,
     scope: RelayScope,
     name: String,
+    wake: RelayWake,
     cancel: CancellationToken,
 ) -> Result<()> {
     async move {
@@ -240,6 +261,7 @@ pub async fn run_relay<S: Sidecar + Send>(
             }
             tokio::select! {
                 _ = tokio::time::sleep(settings.poll) => {}
+                _ = wake.wait() => {}
                 _ = cancel.cancelled() => {}
             }
         }

@@ -22,6 +22,7 @@ use tracing::{error, info, info_span, warn, Instrument};
 use crate::apply::Applier;
 use crate::error::{Error, Result};
 use crate::hydrate::Source;
+use crate::relay::RelayWake;
 use crate::sidecar::{AnySidecar, Progress, Sidecar};
 
 /// How often an idle applier checks that its partitions' progress was not
@@ -135,10 +136,12 @@ struct Lanes {
     fatal: Option<Error>,
     /// The loop is stopping: nothing new starts.
     stopping: bool,
+    /// Told when a task committed outbox rows.
+    wake: RelayWake,
 }
 
 impl Lanes {
-    fn new() -> Lanes {
+    fn new(wake: RelayWake) -> Lanes {
         Lanes {
             idle: HashMap::new(),
             tasks: tokio::task::JoinSet::new(),
@@ -151,6 +154,7 @@ impl Lanes {
             explicit_due: HashMap::new(),
             fatal: None,
             stopping: false,
+            wake,
         }
     }
 
@@ -164,12 +168,16 @@ impl Lanes {
     }
 
     fn spawn(&mut self, p: u32, work: Work, mut a: Applier<AnySidecar>) {
+        let wake = self.wake.clone();
         let task = self.tasks.spawn(
             async move {
                 let (upper, result) = match work {
                     Work::Delivery(d) => (Some(d.upper), a.apply(&d).await),
                     Work::Explicit => (None, a.explicit_once().await),
                 };
+                if result.as_ref().is_ok_and(|r| r.events > 0) {
+                    wake.outbox_written();
+                }
                 Finished {
                     partition: p,
                     upper,
@@ -383,6 +391,7 @@ pub async fn run<I: Inbox>(
     catalog: &Catalog,
     inbox: &mut I,
     owned: Option<Owned>,
+    wake: RelayWake,
     cancel: CancellationToken,
 ) -> Result<()> {
     let topic = inbox.topic().to_string();
@@ -390,7 +399,7 @@ pub async fn run<I: Inbox>(
     let overlap = inbox.delivers_while_applying();
     let span = info_span!("applier", topic = %topic);
     async move {
-        let mut lanes = Lanes::new();
+        let mut lanes = Lanes::new(wake);
         let mut last_check = Instant::now();
         // The partitions this loop was given: their explicit queues are its.
         let mut mine: BTreeSet<u32> = BTreeSet::new();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use skein_applier::relay::{run_relay, RelayScope};
+use skein_applier::relay::{run_relay, RelayScope, RelayWake};
 use skein_applier::run::{resume_from_sidecar, Owned};
 use skein_applier::sidecar::Sidecar;
 use skein_common::config::Config;
@@ -29,6 +29,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
         ensure_topic(&kc, &t, k.partitions, k.replication_factor).await?;
     }
     let owned: Owned = Arc::default();
+    let wake = RelayWake::default();
     let relay_cancel = CancellationToken::new();
     let mut relay = if k.relay_in_apply {
         Some(tokio::spawn(run_relay(
@@ -42,6 +43,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
                     .clone()
                     .unwrap_or_else(|| format!("pid {}", std::process::id()))
             ),
+            wake.clone(),
             relay_cancel.clone(),
         )))
     } else {
@@ -57,7 +59,14 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
     };
     let resume = resume_from_sidecar(&cfg, &topic, tokio::runtime::Handle::current());
     let mut inbox = KafkaInbox::new(&kc, settings, resume)?;
-    let applying = skein_applier::run(&cfg, &catalog, &mut inbox, Some(owned), cancel.clone());
+    let applying = skein_applier::run(
+        &cfg,
+        &catalog,
+        &mut inbox,
+        Some(owned),
+        wake,
+        cancel.clone(),
+    );
     let (result, relay_died) = match relay.as_mut() {
         Some(relay) => watch_relay(applying, relay, &cancel).await,
         None => (applying.await, None),

@@ -2,7 +2,7 @@
 //! process (the embedded default).
 
 use anyhow::bail;
-use skein_applier::relay::{run_relay, RelayScope};
+use skein_applier::relay::{run_relay, RelayScope, RelayWake};
 use skein_applier::run::rekey_in_process;
 use skein_common::config::{Config, Transport};
 use skein_common::CheckpointKind;
@@ -36,12 +36,21 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     skein_applier::check_identifier_mapping(&cfg, &catalog).await?;
     let (transport, mut inbox) =
         InProcess::new(t.partitions, t.channel_capacity, cfg.source.dialect());
+    let wake = RelayWake::default();
     let appliers = {
-        let cfg = cfg.clone();
+        let (cfg, wake) = (cfg.clone(), wake.clone());
         // The in-process appliers stop when the extractor's side closes,
         // not on the signal: what was sent is applied first.
         tokio::spawn(async move {
-            skein_applier::run(&cfg, &catalog, &mut inbox, None, CancellationToken::new()).await
+            skein_applier::run(
+                &cfg,
+                &catalog,
+                &mut inbox,
+                None,
+                wake,
+                CancellationToken::new(),
+            )
+            .await
         })
     };
     let relay_cancel = CancellationToken::new();
@@ -51,6 +60,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         skein_applier::relay::RelaySettings::from_config(&cfg),
         RelayScope::All,
         "relay".into(),
+        wake,
         relay_cancel.clone(),
     ));
     let loading = tokio::spawn(super::explicit::initial_load(
