@@ -588,9 +588,10 @@ async fn marker_reset_past_changes_records_the_loss_in_the_sidecar() {
     assert!(lossy >= 1, "the skipped range is recorded in the sidecar");
 }
 
-/// An applier that commits events wakes its process's relay: they are
-/// sent at once, not after `sink.relay_poll_ms` (an hour here), which an
-/// idle relay otherwise waits before it looks again.
+/// An applier that commits events, from the stream or an explicit run,
+/// wakes its process's relay: they are sent at once, not after
+/// `sink.relay_poll_ms` (an hour here), which an idle relay otherwise
+/// waits before it looks again.
 #[tokio::test(flavor = "multi_thread")]
 async fn committed_events_wake_the_relay() {
     let env = Env::new("relay_wake", |y| {
@@ -599,6 +600,9 @@ async fn committed_events_wake_the_relay() {
         y.replace(path, &format!("{path}  relay_poll_ms: 3600000\n"))
     })
     .await;
+    // Before the first start: not in the stream, for an explicit run.
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'Bob');")
+        .await;
     let mut run = env.start().await;
     // Each step waits (60 s at most) until its event is relayed; the
     // relay is idle before each.
@@ -609,10 +613,17 @@ async fn committed_events_wake_the_relay() {
     .await;
     env.step(&mut run, "UPDATE customer SET name = 'Ada L' WHERE id = 1;")
         .await;
+    // An explicit page's events wake it too.
+    env.skein_ok(&["explicit", "--entity", "customer", "--keys", "2"]);
+    env.settle(&mut run).await;
     run.stop(&env);
     assert_eq!(
         env.subject_actions(),
-        ["customer.1 created", "customer.1 updated"]
+        [
+            "customer.1 created",
+            "customer.1 updated",
+            "customer.2 created"
+        ]
     );
     assert_exactly_once(&env).await;
 }

@@ -175,7 +175,14 @@ impl Lanes {
                     Work::Delivery(d) => (Some(d.upper), a.apply(&d).await),
                     Work::Explicit => (None, a.explicit_once().await),
                 };
-                if result.as_ref().is_ok_and(|r| r.events > 0) {
+                // A failed apply may have committed events in an earlier
+                // step (a TRUNCATE's re-check pages): a needless look
+                // costs the relay one query.
+                let written = match &result {
+                    Ok(applied) => applied.events > 0,
+                    Err(_) => true,
+                };
+                if written {
                     wake.outbox_written();
                 }
                 Finished {
