@@ -628,6 +628,54 @@ async fn committed_events_wake_the_relay() {
     assert_exactly_once(&env).await;
 }
 
+/// A batch's snapshot, which locks the source's tables (ACCESS SHARE),
+/// ends before its sidecar transaction is answered: a sidecar that waits
+/// (here for progress rows another session holds) keeps no lock on the
+/// source, so DDL there does not queue behind skein.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiting_sidecar_transaction_holds_no_source_lock() {
+    let env = Env::new("sidecar_wait", same).await;
+    let mut run = env.start().await;
+    env.step(
+        &mut run,
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+    )
+    .await;
+    let holder = connect(&env.url).await;
+    holder
+        .batch_execute("BEGIN; SELECT * FROM skein.progress FOR UPDATE")
+        .await
+        .unwrap();
+    env.exec("UPDATE customer SET name = 'Ada L' WHERE id = 1;")
+        .await;
+    // The batch's sidecar transaction waits for the held rows.
+    env.wait_count(
+        &mut run,
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .await;
+    let locker = connect(&env.url).await;
+    locker
+        .batch_execute(
+            "SET lock_timeout = '5s'; BEGIN;
+             LOCK TABLE customer, address, address_line, contact IN ACCESS EXCLUSIVE MODE;
+             ROLLBACK",
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!("the source's tables stay locked while the sidecar waits: {e:?}")
+        });
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_eq!(
+        env.subject_actions(),
+        ["customer.1 created", "customer.1 updated"]
+    );
+    assert_exactly_once(&env).await;
+}
+
 /// A `skein relay` started beside the pipeline's own relay stands by
 /// instead of relaying the same outbox out of order (issue 10, defect 7);
 /// `skein status` shows who holds the relay lease.

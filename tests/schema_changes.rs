@@ -245,24 +245,11 @@ async fn a_ddl_transaction_that_deadlocks_with_a_batch_does_not_stop_it() {
     env.exec("UPDATE customer SET name = 'Ada L.' WHERE id = 1;")
         .await;
     // Until the applier waits on `address` (holding `customer`).
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let waiting: i64 = env
-            .db
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'address'::regclass",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        run.check_alive(&env);
-        assert!(std::time::Instant::now() < deadline, "{}", env.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    env.wait_count(
+        &mut run,
+        "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'address'::regclass",
+    )
+    .await;
     let done = ddl
         .batch_execute("ALTER TABLE customer ADD COLUMN tier text DEFAULT 'gold'; COMMIT;")
         .await;

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use skein_common::config::Config;
 use skein_common::failpoint::failpoint;
 use skein_common::record::{partition_for, transport_key, Op};
@@ -858,15 +859,39 @@ impl<S: Sidecar> Applier<S> {
             .map(|p| (h, p)),
             Err(e) => Err(e),
         };
-        // A hydration error is the cause; ending the snapshot after it can
-        // only fail for the same reason (a lost connection).
-        let ended = if opened {
-            self.source.end_snapshot().await
-        } else {
-            Ok(())
+        // Everything is read: the snapshot's COMMIT goes out now, before
+        // anything else (the source's tables' locks go with it, whatever
+        // the sidecar does next), and its reply is awaited with the
+        // sidecar transaction, so its round trip overlaps the decisions.
+        // (tokio-postgres queues a request when its future is first
+        // polled, and its connection task writes it: the yield lets that
+        // task run now rather than at this batch's next wait. A batch that
+        // fails before the sidecar transaction drops the reply: the
+        // snapshot counts as open, and the next batch's ROLLBACK of it is
+        // a no-op.)
+        let source = &mut self.source;
+        let mut ending = Box::pin(async move {
+            if opened {
+                source.end_snapshot().await
+            } else {
+                Ok(())
+            }
+        });
+        let mut ended = ending.as_mut().now_or_never();
+        if ended.is_none() {
+            tokio::task::yield_now().await;
+        }
+        let (hydrated, referenced) = match read {
+            Ok(read) => read,
+            // The cause; ending the snapshot after it can only fail for
+            // the same reason (a lost connection).
+            Err(e) => {
+                if ended.is_none() {
+                    let _ = ending.await;
+                }
+                return Err(e);
+            }
         };
-        let (hydrated, referenced) = read?;
-        ended?;
         let t_read = started.elapsed();
         let mut outbox = vec![];
         let mut versions = vec![];
@@ -1051,7 +1076,17 @@ impl<S: Sidecar> Applier<S> {
         };
         skein_common::failpoint::failpoint_result("applier.before_sidecar").map_err(Error::Data)?;
         let t_built = started.elapsed();
-        let result = self.sidecar.commit(&commit).await;
+        let (result, ended) = tokio::join!(self.sidecar.commit(&commit), async {
+            match ended.take() {
+                Some(ended) => ended,
+                None => ending.await,
+            }
+        });
+        if let Err(e) = ended {
+            // The reads stand (a read-only snapshot that answered them);
+            // the next batch finds out about the connection.
+            warn!(error = %e, "ending the hydration snapshot failed");
+        }
         // Where a batch's time went (bench/README: SKEIN_LOG=...=debug):
         // opening the snapshot (with its catalog and snapshot text, one
         // round trip), comparing the catalog, the tables' reads, the

@@ -565,6 +565,25 @@ impl Env {
         self.settle(running).await;
     }
 
+    /// Polls `count_sql` (a `count(*)`) until it is above zero, while
+    /// `running` stays alive, for at most 30 s.
+    pub async fn wait_count(&self, running: &mut Running, count_sql: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let n: i64 = self.db.query_one(count_sql, &[]).await.unwrap().get(0);
+            if n > 0 {
+                return;
+            }
+            running.check_alive(self);
+            assert!(
+                Instant::now() < deadline,
+                "still none: {count_sql}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub async fn exec(&self, sql: &str) {
         self.db
             .batch_execute(sql)
