@@ -296,6 +296,40 @@ async fn ada_then_bob(name: &str, id: &str, action: &str) -> (Env, Running) {
     (env, run)
 }
 
+/// While a batch stalls before its sidecar transaction (a process paused
+/// mid-batch), its snapshot has ended: the COMMIT goes out as soon as
+/// everything is read, not with the sidecar transaction, so the source's
+/// tables hold no lock of skein's while it stalls.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_stalled_before_its_sidecar_transaction_holds_no_source_lock() {
+    let (env, run) = ada_then_bob("stall_locks", "stall-locks-1", "sleep=6000").await;
+    let t0 = Instant::now();
+    loop {
+        let held: i64 = env
+            .db
+            .query_one(
+                "SELECT count(*) FROM pg_locks
+                  WHERE relation = 'customer'::regclass AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if held == 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "the stalled batch still holds the source's tables:\n{}",
+            env.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    env.exec("INSERT INTO customer (id, name) VALUES (3, 'Cy');")
+        .await;
+    three_published_once(&env, run).await;
+}
+
 /// Settles, stops, and checks Ada, Bob and Cy were each published once.
 async fn three_published_once(env: &Env, mut run: Running) {
     env.settle(&mut run).await;

@@ -642,6 +642,11 @@ async fn a_waiting_sidecar_transaction_holds_no_source_lock() {
     )
     .await;
     let holder = connect(&env.url).await;
+    let holder_pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
     holder
         .batch_execute("BEGIN; SELECT * FROM skein.progress FOR UPDATE")
         .await
@@ -651,8 +656,9 @@ async fn a_waiting_sidecar_transaction_holds_no_source_lock() {
     // The batch's sidecar transaction waits for the held rows.
     env.wait_count(
         &mut run,
-        "SELECT count(*) FROM pg_stat_activity
-          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        &format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE {holder_pid} = ANY(pg_blocking_pids(pid))"
+        ),
     )
     .await;
     let locker = connect(&env.url).await;

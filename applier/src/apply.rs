@@ -786,8 +786,9 @@ impl<S: Sidecar> Applier<S> {
         // Every aggregate of the batch is read in one snapshot of the
         // source: a transaction committed meanwhile shows in all of an
         // aggregate's tables or in none, so every event is a state that
-        // existed. The snapshot ends (commits or, after an error, rolls
-        // back) before anything else can fail. A batch whose aggregates
+        // existed. Its COMMIT goes out as soon as everything is read,
+        // before the sidecar is touched (its reply comes with the sidecar
+        // transaction's; a read error ends it before returning). A batch whose aggregates
         // are all covered reads only the catalog (a change of it reads
         // them after all).
         let mut snapshot: Option<Arc<Snapshot>> = None;

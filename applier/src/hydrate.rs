@@ -266,8 +266,9 @@ impl Source {
     }
 
     /// Starts the one snapshot a batch's hydration reads: PostgreSQL,
-    /// a `REPEATABLE READ READ ONLY` transaction (one left open by a batch
-    /// that failed midway is rolled back first, never read on) that first
+    /// a `REPEATABLE READ READ ONLY` transaction (one a batch that failed
+    /// midway may have left open, or whose COMMIT it sent without reading
+    /// the reply, is rolled back first, never read on: a no-op then) that first
     /// takes `ACCESS SHARE` locks on every table of the config, then a
     /// snapshot that sees every source transaction in `xids` (the batch's).
     /// The locks come before the snapshot, so no `ALTER TABLE` of those
