@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use skein_common::config::Config;
-use skein_common::failpoint::failpoint;
+use skein_common::failpoint::{failpoint, failpoint_result};
 use skein_common::record::{partition_for, transport_key, Op};
 use skein_common::{ChangeRecord, Checkpoint, CheckpointKind, Dialect, RootKey};
 use skein_sql::postgres::{check_schema_change, describe_change, schema_stop};
@@ -788,9 +788,9 @@ impl<S: Sidecar> Applier<S> {
         // aggregate's tables or in none, so every event is a state that
         // existed. Its COMMIT goes out as soon as everything is read,
         // before the sidecar is touched (its reply comes with the sidecar
-        // transaction's; a read error ends it before returning). A batch whose aggregates
-        // are all covered reads only the catalog (a change of it reads
-        // them after all).
+        // transaction's; a read error ends it before returning). A batch
+        // whose aggregates are all covered reads only the catalog (a
+        // change of it reads them after all).
         let mut snapshot: Option<Arc<Snapshot>> = None;
         let mut t_open = Duration::ZERO;
         let opened = !consolidated.is_empty() || !batch.covered.is_empty();
@@ -878,18 +878,22 @@ impl<S: Sidecar> Applier<S> {
                 Ok(())
             }
         });
-        let mut ended = ending.as_mut().now_or_never();
-        if ended.is_none() {
+        let early = ending.as_mut().now_or_never();
+        if early.is_none() {
             tokio::task::yield_now().await;
         }
+        let ended = async move {
+            match early {
+                Some(ended) => ended,
+                None => ending.await,
+            }
+        };
         let (hydrated, referenced) = match read {
             Ok(read) => read,
             // The cause; ending the snapshot after it can only fail for
             // the same reason (a lost connection).
             Err(e) => {
-                if ended.is_none() {
-                    let _ = ending.await;
-                }
+                let _ = ended.await;
                 return Err(e);
             }
         };
@@ -1075,14 +1079,9 @@ impl<S: Sidecar> Applier<S> {
             versions,
             explicit: batch.explicit,
         };
-        skein_common::failpoint::failpoint_result("applier.before_sidecar").map_err(Error::Data)?;
+        failpoint_result("applier.before_sidecar").map_err(Error::Data)?;
         let t_built = started.elapsed();
-        let (result, ended) = tokio::join!(self.sidecar.commit(&commit), async {
-            match ended.take() {
-                Some(ended) => ended,
-                None => ending.await,
-            }
-        });
+        let (result, ended) = tokio::join!(self.sidecar.commit(&commit), ended);
         if let Err(e) = ended {
             // The reads stand (a read-only snapshot that answered them);
             // the next batch finds out about the connection.

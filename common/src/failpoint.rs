@@ -25,9 +25,9 @@ fn parse(spec: &str) -> (&str, u64, Action) {
     let mut parts = spec.split(':');
     let point = parts.next().unwrap_or("");
     let nth = parts.next().and_then(|n| n.parse().ok()).unwrap_or(1);
-    let action = match parts.next() {
-        Some(a) if a.starts_with("sleep=") => Action::Sleep(a[6..].parse().unwrap_or(0)),
-        Some(a) if a.starts_with("error=") => Action::Error(a[6..].parse().unwrap_or(0)),
+    let action = match parts.next().and_then(|a| a.split_once('=')) {
+        Some(("sleep", ms)) => Action::Sleep(ms.parse().unwrap_or(0)),
+        Some(("error", ms)) => Action::Error(ms.parse().unwrap_or(0)),
         _ => Action::Abort,
     };
     (point, nth, action)
