@@ -594,12 +594,7 @@ async fn marker_reset_past_changes_records_the_loss_in_the_sidecar() {
 /// waits before it looks again.
 #[tokio::test(flavor = "multi_thread")]
 async fn committed_events_wake_the_relay() {
-    let env = Env::new("relay_wake", |y| {
-        let path = "  path: ${SKEIN_OUT_DIR}/events.jsonl\n";
-        assert!(y.contains(path), "{y}");
-        y.replace(path, &format!("{path}  relay_poll_ms: 3600000\n"))
-    })
-    .await;
+    let env = Env::new("relay_wake", relay_polls_hourly).await;
     // Before the first start: not in the stream, for an explicit run.
     env.exec("INSERT INTO customer (id, name) VALUES (2, 'Bob');")
         .await;
@@ -624,6 +619,54 @@ async fn committed_events_wake_the_relay() {
             "customer.1 updated",
             "customer.2 created"
         ]
+    );
+    assert_exactly_once(&env).await;
+}
+
+/// The file sink's relay looks for new outbox rows only once an hour.
+fn relay_polls_hourly(y: String) -> String {
+    let path = "  path: ${SKEIN_OUT_DIR}/events.jsonl\n";
+    assert!(y.contains(path), "{y}");
+    y.replace(path, &format!("{path}  relay_poll_ms: 3600000\n"))
+}
+
+/// Events committed while the relay is busy sending others still wake it:
+/// the wake-up is kept for its next idle wait. A relay goes idle after a
+/// round that was not full, so a lost wake-up would leave them pending
+/// until the next poll (an hour here).
+#[tokio::test(flavor = "multi_thread")]
+async fn events_committed_while_the_relay_sends_wake_it_again() {
+    let env = Env::new("relay_busy_wake", relay_polls_hourly).await;
+    // The relay's first round stalls after its send, before its mark.
+    let mut run = env
+        .start_with(&[(
+            "SKEIN_FAILPOINT",
+            "relay.after_send_before_mark:1:sleep=5000",
+        )])
+        .await;
+    env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    run.wait_log(&env, "failpoint `relay.after_send_before_mark` reached")
+        .await;
+    env.exec("INSERT INTO customer (id, name) VALUES (2, 'Bob');")
+        .await;
+    // Bob's event is committed while Ada's round is still open (her row
+    // is not marked yet).
+    env.wait_count(
+        &mut run,
+        "SELECT (count(*) = 2)::int::int8 FROM skein.outbox WHERE dequeued_at IS NULL",
+    )
+    .await;
+    assert!(
+        !env.log()
+            .contains("failpoint `relay.after_send_before_mark` resumes"),
+        "the relay resumed before Bob's event was committed; the test proves nothing"
+    );
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_eq!(
+        env.subject_actions(),
+        ["customer.1 created", "customer.2 created"]
     );
     assert_exactly_once(&env).await;
 }

@@ -236,7 +236,18 @@ pub async fn run_relay<S: Sidecar + Send>(
                 stop_seen.get_or_insert_with(Instant::now);
             }
             let drained_enough = stop_seen.is_some_and(|t| t.elapsed() > STOP_DRAIN);
-            if n > 0 && !drained_enough {
+            // Only a full round may have left rows behind. One that took
+            // fewer took every pending row it could see, so it goes idle
+            // rather than look again at once, which finds nothing unless
+            // more were committed meanwhile: those wake it (`wake`), or are
+            // found at the next poll. A stopping relay looks until a round
+            // finds nothing, for rows its appliers commit as they stop.
+            let more = if draining {
+                n > 0
+            } else {
+                n as i64 >= settings.batch
+            };
+            if more && !drained_enough {
                 tracing::debug!(sent = n, ms = started.elapsed().as_millis() as u64, "relayed");
                 continue;
             }

@@ -45,6 +45,25 @@ impl PgSidecar {
 }
 
 impl PgSidecar {
+    /// Begins a transaction, handed out with the schema's name and the
+    /// prepared statements (the sidecar's other parts, borrowed beside it).
+    async fn begin(
+        &mut self,
+        what: &'static str,
+    ) -> Result<(
+        tokio_postgres::Transaction<'_>,
+        &str,
+        &mut crate::Statements,
+    )> {
+        let PgSidecar {
+            client,
+            schema,
+            statements,
+        } = self;
+        let tx = client.transaction().await.map_err(db(what))?;
+        Ok((tx, schema.as_str(), statements))
+    }
+
     /// The one progress row `sql` returns for `$1` group, `$2` topic, `$3`
     /// partition: position (text), source_commit, source_seq, epoch.
     async fn progress_row(
@@ -248,16 +267,7 @@ impl Sidecar for PgSidecar {
 
     /// Read top to bottom: fence, batch row, outbox, versions, commit.
     async fn commit(&mut self, b: &BatchCommit) -> Result<i64> {
-        let PgSidecar {
-            client,
-            schema,
-            statements,
-        } = self;
-        let s = schema.as_str();
-        let tx = client
-            .transaction()
-            .await
-            .map_err(db("beginning the batch transaction"))?;
+        let (tx, s, statements) = self.begin("beginning the batch transaction").await?;
         let partition = b.partition as i32;
 
         let src_commit: Option<String> = b.source.map(|p| p.commit.to_string());
@@ -521,20 +531,20 @@ impl Sidecar for PgSidecar {
         if partitions.is_some_and(<[i32]>::is_empty) {
             return Ok(0);
         }
-        let s = self.schema.as_str();
-        let tx = self
-            .client
-            .transaction()
-            .await
-            .map_err(db("beginning the relay transaction"))?;
+        let (tx, s, statements) = self.begin("beginning the relay transaction").await?;
+        // Prepared once per connection, like the batch's statements: a relay
+        // woken by every batch commit runs many small rounds.
+        let what = "reading the outbox";
+        let select = match partitions {
+            None => sc::relay_select_all_sql(s),
+            Some(_) => sc::relay_select_partitions_sql(s),
+        };
+        let select = statements.get(&tx, &select).await.map_err(db(what))?;
         let rows = match partitions {
-            None => tx.query(&sc::relay_select_all_sql(s), &[&limit]).await,
-            Some(owned) => {
-                tx.query(&sc::relay_select_partitions_sql(s), &[&limit, &owned])
-                    .await
-            }
+            None => tx.query(&select, &[&limit]).await,
+            Some(owned) => tx.query(&select, &[&limit, &owned]).await,
         }
-        .map_err(db("reading the outbox"))?;
+        .map_err(db(what))?;
         if rows.is_empty() {
             return Ok(0);
         }
@@ -553,9 +563,14 @@ impl Sidecar for PgSidecar {
         let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
         super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");
-        tx.execute(&sc::relay_mark_sql(s), &[&ids])
-            .await
-            .map_err(db("marking outbox rows dequeued"))?;
+        statements
+            .execute(
+                &tx,
+                &sc::relay_mark_sql(s),
+                &[&ids],
+                "marking outbox rows dequeued",
+            )
+            .await?;
         tx.commit()
             .await
             .map_err(db("committing the relay transaction"))?;
