@@ -637,11 +637,12 @@ fn relay_polls_hourly(y: String) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn events_committed_while_the_relay_sends_wake_it_again() {
     let env = Env::new("relay_busy_wake", relay_polls_hourly).await;
-    // The relay's first round stalls after its send, before its mark.
+    // The relay's first round stalls after its send, before its mark,
+    // long enough for Bob's event to pass the pipeline on a loaded machine.
     let mut run = env
         .start_with(&[(
             "SKEIN_FAILPOINT",
-            "relay.after_send_before_mark:1:sleep=5000",
+            "relay.after_send_before_mark:1:sleep=12000",
         )])
         .await;
     env.exec("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
@@ -650,17 +651,27 @@ async fn events_committed_while_the_relay_sends_wake_it_again() {
         .await;
     env.exec("INSERT INTO customer (id, name) VALUES (2, 'Bob');")
         .await;
-    // Bob's event is committed while Ada's round is still open (her row
-    // is not marked yet).
     env.wait_count(
         &mut run,
-        "SELECT (count(*) = 2)::int::int8 FROM skein.outbox WHERE dequeued_at IS NULL",
+        "SELECT count(*) FROM skein.outbox WHERE key LIKE '%2%'",
     )
     .await;
+    // Bob's event was committed while Ada's round was still open: the log,
+    // read before the outbox, says the relay had not resumed, and her row
+    // is not marked yet.
+    let log = env.log();
+    let ada_pending: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM skein.outbox WHERE key LIKE '%1%' AND dequeued_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert!(
-        !env.log()
-            .contains("failpoint `relay.after_send_before_mark` resumes"),
-        "the relay resumed before Bob's event was committed; the test proves nothing"
+        !log.contains("failpoint `relay.after_send_before_mark` resumes") && ada_pending == 1,
+        "the relay resumed before Bob's event was committed; the test proves nothing:\n{log}"
     );
     env.settle(&mut run).await;
     run.stop(&env);
@@ -668,6 +679,23 @@ async fn events_committed_while_the_relay_sends_wake_it_again() {
         env.subject_actions(),
         ["customer.1 created", "customer.2 created"]
     );
+    assert_exactly_once(&env).await;
+}
+
+/// An event a killed process sent but did not mark dequeued goes out again
+/// as soon as the pipeline is back: over Kafka, when the applier takes its
+/// partitions again (its relay has none before), not at the relay's next
+/// poll (an hour here).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unmarked_event_goes_out_again_when_the_pipeline_is_back() {
+    let env = Env::new("relay_takeover", relay_polls_hourly).await;
+    let mut run = env
+        .restart_after_a_crash_before_the_mark("INSERT INTO customer (id, name) VALUES (1, 'Ada');")
+        .await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    assert_eq!(env.sent_events().len(), 2, "sent, killed, sent again");
+    assert_eq!(env.subject_actions(), ["customer.1 created"]);
     assert_exactly_once(&env).await;
 }
 

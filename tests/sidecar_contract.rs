@@ -483,41 +483,60 @@ async fn postgres_sidecar_purges_only_relayed_rows_past_their_retention() {
     assert_eq!(relay_all(&mut sc).await.len(), 2);
 }
 
+/// A relay round that took `sink.relay_batch` rows may have left more
+/// behind, so the relay looks again at once, without a wake-up or a poll
+/// (an hour here): three batches of two rows go out in rounds of two,
+/// relaying every partition or only owned ones.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_relay_round_looks_again_at_once() {
+    for (db, scope) in [
+        ("skein_t_contract_full_all", RelayScope::All),
+        (
+            "skein_t_contract_full_owned",
+            RelayScope::Partitions(Arc::new(Mutex::new(vec![2]))),
+        ),
+    ] {
+        let (url, mut sc) = sidecar_with_batches(db, 3).await;
+        let (log, cancel, relay) = spawn_relay(
+            &url,
+            Duration::ZERO,
+            RelaySettings {
+                poll: Duration::from_secs(3600),
+                ..settings(2)
+            },
+            scope,
+        )
+        .await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while log.lock().unwrap().len() < 6 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{db}: {} of 6 rows relayed; the relay waits for its poll after a full round",
+                log.lock().unwrap().len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        cancel.cancel();
+        relay.await.unwrap().unwrap();
+        assert_eq!(sc.pending().await.unwrap().0, 0, "{db}");
+    }
+}
+
 /// A stopping relay sends what is pending for a few seconds, not all of
 /// it: a stop with a long backlog of sends (a slow sink) ends cleanly,
 /// before the process's stop deadline (15 s), and what was not sent stays
 /// pending for the next start.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stopping_relay_leaves_a_long_backlog_pending() {
-    let url = pg_db("skein_t_contract_stop_drain").await;
-    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
-    sc.migrate().await.unwrap();
     // 40 rows, one per send, 0.5 s a send: 20 s to send them all.
-    let mut expected = None;
-    for i in 0..20u32 {
-        let position = i128::from(i + 1) * 10;
-        sc.commit(&batch(
-            expected,
-            position,
-            pg_lsn(u8::try_from(i).unwrap() + 1),
-            2 * i + 1,
-            i + 1,
-        ))
-        .await
-        .unwrap();
-        expected = Some(position);
-    }
-    let log: Arc<Mutex<Vec<(&'static str, SinkEvent)>>> = Arc::default();
-    let cancel = CancellationToken::new();
-    let relay = tokio::spawn(run_relay(
-        PgSidecar::connect(&url, "skein").await.unwrap(),
-        Box::new(Tagged("r", log.clone(), Duration::from_millis(500))),
+    let (url, mut sc) = sidecar_with_batches("skein_t_contract_stop_drain", 20).await;
+    let (log, cancel, relay) = spawn_relay(
+        &url,
+        Duration::from_millis(500),
         settings(1),
         RelayScope::All,
-        "stop drain".into(),
-        RelayWake::default(),
-        cancel.clone(),
-    ));
+    )
+    .await;
     while log.lock().unwrap().is_empty() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -536,6 +555,57 @@ async fn a_stopping_relay_leaves_a_long_backlog_pending() {
 }
 
 /// A fresh database; its URL.
+/// A migrated sidecar in a new database `db` holding `n` committed
+/// batches of two events each (partition 2), and its URL.
+async fn sidecar_with_batches(db: &str, n: u32) -> (Secret, PgSidecar) {
+    let url = pg_db(db).await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    let mut expected = None;
+    for i in 0..n {
+        let position = i128::from(i + 1) * 10;
+        sc.commit(&batch(
+            expected,
+            position,
+            pg_lsn(u8::try_from(i).unwrap() + 1),
+            2 * i + 1,
+            i + 1,
+        ))
+        .await
+        .unwrap();
+        expected = Some(position);
+    }
+    (url, sc)
+}
+
+type SentLog = Arc<Mutex<Vec<(&'static str, SinkEvent)>>>;
+
+/// A running relay of the sidecar at `url` whose sink takes `per_send`
+/// a send and logs what it got; cancel the token to stop it.
+async fn spawn_relay(
+    url: &Secret,
+    per_send: Duration,
+    settings: RelaySettings,
+    scope: RelayScope,
+) -> (
+    SentLog,
+    CancellationToken,
+    tokio::task::JoinHandle<skein_applier::Result<()>>,
+) {
+    let log: SentLog = Arc::default();
+    let cancel = CancellationToken::new();
+    let relay = tokio::spawn(run_relay(
+        PgSidecar::connect(url, "skein").await.unwrap(),
+        Box::new(Tagged("r", log.clone(), per_send)),
+        settings,
+        scope,
+        "test relay".into(),
+        RelayWake::default(),
+        cancel.clone(),
+    ));
+    (log, cancel, relay)
+}
+
 async fn pg_db(db: &str) -> Secret {
     let admin = connect(&admin_url()).await;
     recreate_db(&admin, db).await;

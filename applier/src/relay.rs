@@ -247,8 +247,10 @@ pub async fn run_relay<S: Sidecar + Send>(
             } else {
                 n as i64 >= settings.batch
             };
-            if more && !drained_enough {
+            if n > 0 {
                 tracing::debug!(sent = n, ms = started.elapsed().as_millis() as u64, "relayed");
+            }
+            if more && !drained_enough {
                 continue;
             }
             if draining {

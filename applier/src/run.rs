@@ -515,6 +515,9 @@ pub async fn run<I: Inbox>(
                                     o.push(*p as i32);
                                 }
                             }
+                            // What a previous owner left unsent goes out now,
+                            // not at the relay's next poll.
+                            lanes.wake.outbox_written();
                         }
                         Membership::Revoked(ps) => o.retain(|p| !ps.contains(&(*p as u32))),
                     }

@@ -560,6 +560,19 @@ impl Env {
 
     /// Runs `sql` and waits until the pipeline has published its effect,
     /// so the next step lands in a later batch.
+    /// Runs `sql` in a pipeline whose relay aborts the process between a
+    /// send and its mark (a failpoint), then starts the pipeline again:
+    /// the event was sent once and is still pending.
+    pub async fn restart_after_a_crash_before_the_mark(&self, sql: &str) -> Running {
+        let run = self
+            .start_with(&[("SKEIN_FAILPOINT", "relay.after_send_before_mark")])
+            .await;
+        self.exec(sql).await;
+        let status = run.wait_exit(Duration::from_secs(30));
+        assert!(!status.success(), "the failpoint must abort the relay");
+        self.start().await
+    }
+
     pub async fn step(&self, running: &mut Running, sql: &str) {
         self.exec(sql).await;
         self.settle(running).await;

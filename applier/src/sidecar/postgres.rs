@@ -23,7 +23,8 @@ use crate::sink::{Sink, SinkEvent};
 pub struct PgSidecar {
     client: tokio_postgres::Client,
     schema: String,
-    /// The statements of every batch (versions, the commit's), prepared once.
+    /// The statements of every batch (versions, the commit's) and of the
+    /// relay's rounds, prepared once.
     statements: Box<crate::Statements>,
 }
 
