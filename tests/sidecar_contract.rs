@@ -505,21 +505,49 @@ async fn a_full_relay_round_looks_again_at_once() {
                 ..settings(2)
             },
             scope,
+            // Woken by appliers, of which there are none here.
+            Some(RelayWake::default()),
         )
         .await;
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while log.lock().unwrap().len() < 6 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{db}: {} of 6 rows relayed; the relay waits for its poll after a full round",
-                log.lock().unwrap().len()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let waits = format!("{db}: the relay waits for its poll after a full round");
+        relayed_within_20s(&log, 6, &waits).await;
         cancel.cancel();
         relay.await.unwrap().unwrap();
         assert_eq!(sc.pending().await.unwrap().0, 0, "{db}");
     }
+}
+
+/// A relay nobody wakes (`skein relay`) looks again at once after a round
+/// that sent rows, even one that was not full: rows committed while it
+/// sent go out then, not at its next poll (an hour here).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_nobody_wakes_looks_again_after_a_round_with_rows() {
+    let (url, mut sc) = sidecar_with_batches("skein_t_contract_unwoken", 1).await;
+    let (log, cancel, relay) = spawn_relay(
+        &url,
+        Duration::from_millis(1500),
+        RelaySettings {
+            poll: Duration::from_secs(3600),
+            ..settings(500)
+        },
+        RelayScope::All,
+        None,
+    )
+    .await;
+    // The first round is sending the first batch's two rows (1.5 s).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sc.commit(&batch(Some(10), 20, pg_lsn(2), 3, 2))
+        .await
+        .unwrap();
+    relayed_within_20s(
+        &log,
+        4,
+        "the relay waits for its poll after a round with rows",
+    )
+    .await;
+    cancel.cancel();
+    relay.await.unwrap().unwrap();
+    assert_eq!(sc.pending().await.unwrap().0, 0);
 }
 
 /// A stopping relay sends what is pending for a few seconds, not all of
@@ -535,6 +563,7 @@ async fn a_stopping_relay_leaves_a_long_backlog_pending() {
         Duration::from_millis(500),
         settings(1),
         RelayScope::All,
+        None,
     )
     .await;
     while log.lock().unwrap().is_empty() {
@@ -580,6 +609,19 @@ async fn sidecar_with_batches(db: &str, n: u32) -> (Secret, PgSidecar) {
 
 type SentLog = Arc<Mutex<Vec<(&'static str, SinkEvent)>>>;
 
+/// Waits until `log` holds `n` events; after 20 s fails, saying `why`.
+async fn relayed_within_20s(log: &SentLog, n: usize, why: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while log.lock().unwrap().len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {n} rows relayed: {why}",
+            log.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A running relay of the sidecar at `url` whose sink takes `per_send`
 /// a send and logs what it got; cancel the token to stop it.
 async fn spawn_relay(
@@ -587,6 +629,7 @@ async fn spawn_relay(
     per_send: Duration,
     settings: RelaySettings,
     scope: RelayScope,
+    wake: Option<RelayWake>,
 ) -> (
     SentLog,
     CancellationToken,
@@ -600,7 +643,7 @@ async fn spawn_relay(
         settings,
         scope,
         "test relay".into(),
-        RelayWake::default(),
+        wake,
         cancel.clone(),
     ));
     (log, cancel, relay)
@@ -914,7 +957,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
         settings(3),
         RelayScope::Partitions(owned_a.clone()),
         "apply a".into(),
-        RelayWake::default(),
+        None,
         cancel_a.clone(),
     ));
     let relay_b = tokio::spawn(run_relay(
@@ -923,7 +966,7 @@ async fn postgres_relays_deliver_each_event_once_in_order_per_key() {
         settings(2),
         RelayScope::Partitions(owned_b.clone()),
         "apply b".into(),
-        RelayWake::default(),
+        None,
         cancel_b.clone(),
     ));
 

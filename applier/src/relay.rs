@@ -142,13 +142,17 @@ pub fn is_transient(e: &Error) -> bool {
 /// error. Its state and last error are reported to the sidecar under
 /// `name` (`skein status`); the report is best effort. An idle relay looks
 /// again after `settings.poll`, or as soon as `wake` says rows were written.
+/// A relay its appliers wake goes idle after a round that was not full; one
+/// nobody wakes (`None`: a `skein relay`) looks again at once after every
+/// round that sent rows, or rows committed during a round would wait for
+/// the next poll.
 pub async fn run_relay<S: Sidecar + Send>(
     mut sidecar: S,
     mut sink: Box<dyn Sink>,
     settings: RelaySettings,
     scope: RelayScope,
     name: String,
-    wake: RelayWake,
+    wake: Option<RelayWake>,
     cancel: CancellationToken,
 ) -> Result<()> {
     async move {
@@ -237,12 +241,12 @@ pub async fn run_relay<S: Sidecar + Send>(
             }
             let drained_enough = stop_seen.is_some_and(|t| t.elapsed() > STOP_DRAIN);
             // Only a full round may have left rows behind. One that took
-            // fewer took every pending row it could see, so it goes idle
-            // rather than look again at once, which finds nothing unless
-            // more were committed meanwhile: those wake it (`wake`), or are
-            // found at the next poll. A stopping relay looks until a round
-            // finds nothing, for rows its appliers commit as they stop.
-            let more = if draining {
+            // fewer took every pending row it could see, so a woken relay
+            // goes idle rather than look again at once, which finds nothing
+            // unless more were committed meanwhile: those wake it. A relay
+            // nobody wakes, and a stopping one (for rows its appliers
+            // commit as they stop), look until a round finds nothing.
+            let more = if draining || wake.is_none() {
                 n > 0
             } else {
                 n as i64 >= settings.batch
@@ -274,7 +278,12 @@ pub async fn run_relay<S: Sidecar + Send>(
             }
             tokio::select! {
                 _ = tokio::time::sleep(settings.poll) => {}
-                _ = wake.wait() => {}
+                _ = async {
+                    match &wake {
+                        Some(w) => w.wait().await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
                 _ = cancel.cancelled() => {}
             }
         }

@@ -43,7 +43,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
                     .clone()
                     .unwrap_or_else(|| format!("pid {}", std::process::id()))
             ),
-            wake.clone(),
+            Some(wake.clone()),
             relay_cancel.clone(),
         )))
     } else {

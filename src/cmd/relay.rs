@@ -1,7 +1,7 @@
 //! `skein relay`: the outbox to the sink, for a deployment that runs the
 //! relay apart from the appliers.
 
-use skein_applier::relay::{run_relay, RelayScope, RelayWake};
+use skein_applier::relay::{run_relay, RelayScope};
 use skein_common::config::Config;
 
 use super::{make_sink, shutdown_token, sidecar};
@@ -16,8 +16,8 @@ pub async fn relay(cfg: Config) -> anyhow::Result<()> {
         skein_applier::relay::RelaySettings::from_config(&cfg),
         RelayScope::All,
         "relay".into(),
-        // No applier in this process: the relay polls.
-        RelayWake::default(),
+        // No applier in this process wakes it: the relay polls.
+        None,
         cancel,
     )
     .await?;

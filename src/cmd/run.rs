@@ -60,7 +60,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         skein_applier::relay::RelaySettings::from_config(&cfg),
         RelayScope::All,
         "relay".into(),
-        wake,
+        Some(wake),
         relay_cancel.clone(),
     ));
     let loading = tokio::spawn(super::explicit::initial_load(
