@@ -558,8 +558,6 @@ impl Env {
         }
     }
 
-    /// Runs `sql` and waits until the pipeline has published its effect,
-    /// so the next step lands in a later batch.
     /// Runs `sql` in a pipeline whose relay aborts the process between a
     /// send and its mark (a failpoint), then starts the pipeline again:
     /// the event was sent once and is still pending.
@@ -573,6 +571,8 @@ impl Env {
         self.start().await
     }
 
+    /// Runs `sql` and waits until the pipeline has published its effect,
+    /// so the next step lands in a later batch.
     pub async fn step(&self, running: &mut Running, sql: &str) {
         self.exec(sql).await;
         self.settle(running).await;
@@ -581,18 +581,25 @@ impl Env {
     /// Polls `count_sql` (a `count(*)`) until it is above zero, while
     /// `running` stays alive, for at most 30 s.
     pub async fn wait_count(&self, running: &mut Running, count_sql: &str) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        self.poll_30s(running, &format!("still none: {count_sql}"), async || {
             let n: i64 = self.db.query_one(count_sql, &[]).await.unwrap().get(0);
-            if n > 0 {
-                return;
-            }
+            n > 0
+        })
+        .await
+    }
+
+    /// Polls `done` every 20 ms until it holds, checking that `running`'s
+    /// processes are alive; after 30 s fails with `what` and the log.
+    async fn poll_30s(
+        &self,
+        running: &mut Running,
+        what: &str,
+        mut done: impl AsyncFnMut() -> bool,
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done().await {
             running.check_alive(self);
-            assert!(
-                Instant::now() < deadline,
-                "still none: {count_sql}\n{}",
-                self.log()
-            );
+            assert!(Instant::now() < deadline, "{what}\n{}", self.log());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -692,16 +699,9 @@ impl Running {
     /// Waits until the log holds `text` (30 s at most), checking the
     /// processes are alive.
     pub async fn wait_log(&mut self, env: &Env, text: &str) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while !env.log().contains(text) {
-            self.check_alive(env);
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no `{text}` in the log:\n{}",
-                env.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("no `{text}` in the log:");
+        env.poll_30s(self, &what, async || env.log().contains(text))
+            .await
     }
 
     pub fn check_alive(&mut self, env: &Env) {
