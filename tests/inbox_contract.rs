@@ -184,8 +184,16 @@ async fn in_process_inbox_keeps_the_contract() {
 }
 
 /// A fresh topic (and its dead-letter topic) on the test broker holding
-/// [`batches`], sent by the Kafka transport.
-async fn sent_to_kafka(name: &str) -> (rdkafka::ClientConfig, String, Vec<Batch>) {
+/// [`batches`], sent by the Kafka transport with `per` records a message.
+async fn sent_to_kafka(name: &str, per: usize) -> (rdkafka::ClientConfig, String, Vec<Batch>) {
+    let sent = batches();
+    let (kc, topic) = sent_batches(name, per, &sent).await;
+    (kc, topic, sent)
+}
+
+/// A fresh topic (and its dead-letter topic) holding `sent`, sent by the
+/// Kafka transport with `per` records a message.
+async fn sent_batches(name: &str, per: usize, sent: &[Batch]) -> (rdkafka::ClientConfig, String) {
     let brokers = kafka_brokers_required();
     let topic = fresh_topic(name);
     let kc = client_config(&brokers, &Default::default());
@@ -193,35 +201,21 @@ async fn sent_to_kafka(name: &str) -> (rdkafka::ClientConfig, String, Vec<Batch>
     ensure_topic(&kc, &format!("{topic}.dlq"), PARTITIONS, 1)
         .await
         .unwrap();
-    let sent = batches();
-    let transport = KafkaTransport::new(&kc, &topic, PARTITIONS).unwrap();
-    for b in sent.clone() {
+    let transport = KafkaTransport::new(&kc, &topic, PARTITIONS, per).unwrap();
+    for b in sent.iter().cloned() {
         transport.send(b).await.unwrap();
     }
-    (kc, topic, sent)
+    (kc, topic)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_inbox_keeps_the_contract_resumes_where_told_and_seeks() {
-    let (kc, topic, sent) = sent_to_kafka("inbox_contract").await;
+    // One record a message: offsets count records.
+    let (kc, topic, sent) = sent_to_kafka("inbox_contract", 1).await;
     let expected = by_partition(&sent);
     // Partition 1 was applied up to offset 2 (exclusive) by an earlier
     // owner: it must resume there. Partition 0 was never applied.
-    let resume: ResumeAt = Arc::new(|parts: &[u32]| {
-        Ok(parts
-            .iter()
-            .map(|p| (*p, if *p == 1 { Some(2) } else { None }))
-            .collect())
-    });
-    let settings = InboxSettings {
-        topic: topic.clone(),
-        group: format!("{topic}.group"),
-        instance_id: None,
-        entities: ["customer".to_string()].into(),
-        max_records: 5,
-        wait: Duration::from_millis(200),
-    };
-    let mut inbox = KafkaInbox::new(&kc, settings, resume).unwrap();
+    let mut inbox = customer_inbox(&kc, &topic, resume_1_at_2(), 5, Duration::from_millis(200));
     let mut want: BTreeMap<u32, usize> = expected.iter().map(|(p, r)| (*p, r.len())).collect();
     *want.get_mut(&1).unwrap() -= 2;
     let mut assigned = BTreeSet::new();
@@ -263,18 +257,10 @@ async fn kafka_inbox_keeps_the_contract_resumes_where_told_and_seeks() {
 /// config took the extractor's linger default, 0, as this wait).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_kafka_inbox_with_a_zero_wait_is_assigned_and_delivers() {
-    let (kc, topic, sent) = sent_to_kafka("inbox_zero_wait").await;
+    let (kc, topic, sent) = sent_to_kafka("inbox_zero_wait", 1000).await;
     let expected = by_partition(&sent);
     let resume: ResumeAt = Arc::new(|parts: &[u32]| Ok(parts.iter().map(|p| (*p, None)).collect()));
-    let settings = InboxSettings {
-        topic: topic.clone(),
-        group: format!("{topic}.group"),
-        instance_id: None,
-        entities: ["customer".to_string()].into(),
-        max_records: 1000,
-        wait: Duration::ZERO,
-    };
-    let mut inbox = KafkaInbox::new(&kc, settings, resume).unwrap();
+    let mut inbox = customer_inbox(&kc, &topic, resume, 1000, Duration::ZERO);
     let deadline = Instant::now() + Duration::from_secs(30);
     let (mut assigned, mut got): (BTreeSet<u32>, BTreeMap<u32, Vec<ChangeRecord>>) =
         Default::default();
@@ -312,4 +298,220 @@ async fn a_kafka_inbox_with_a_zero_wait_is_assigned_and_delivers() {
         t.elapsed()
     );
     inbox.close().await;
+}
+
+/// Partition 1 resumes at offset 2 (an earlier owner applied up to
+/// there), any other at its beginning.
+fn resume_1_at_2() -> ResumeAt {
+    Arc::new(|parts: &[u32]| {
+        Ok(parts
+            .iter()
+            .map(|p| (*p, if *p == 1 { Some(2) } else { None }))
+            .collect())
+    })
+}
+
+/// A Kafka inbox of `customer` records on `topic`, its own group.
+fn customer_inbox(
+    kc: &rdkafka::ClientConfig,
+    topic: &str,
+    resume: ResumeAt,
+    max_records: usize,
+    wait: Duration,
+) -> KafkaInbox {
+    let settings = InboxSettings {
+        topic: topic.to_string(),
+        group: format!("{topic}.group"),
+        instance_id: None,
+        entities: ["customer".to_string()].into(),
+        max_records,
+        wait,
+    };
+    KafkaInbox::new(kc, settings, resume).unwrap()
+}
+
+/// Each partition's packs, in order, as the transport sends `batches` with
+/// `per` records a message: a batch's records of one partition, in their
+/// order, `per` at most a pack.
+fn packs_by_partition(batches: &[Batch], per: usize) -> BTreeMap<u32, Vec<Vec<ChangeRecord>>> {
+    let mut out: BTreeMap<u32, Vec<Vec<ChangeRecord>>> = BTreeMap::new();
+    for b in batches {
+        let mut of_batch: BTreeMap<u32, Vec<ChangeRecord>> = BTreeMap::new();
+        for r in &b.records {
+            of_batch.entry(partition_of(r)).or_default().push(r.clone());
+        }
+        for (p, records) in of_batch {
+            out.entry(p)
+                .or_default()
+                .extend(records.chunks(per).map(<[ChangeRecord]>::to_vec));
+        }
+    }
+    out
+}
+
+/// Over Kafka a batch's records of one partition travel in packs (several
+/// records a message): every delivery is whole packs, its offsets those of
+/// the packs (one a pack), in order; a partition resumes and seeks at a
+/// pack's offset; a round's records stay within its bound plus one pack.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_inbox_delivers_whole_packs_at_their_offsets() {
+    const PER: usize = 4;
+    let (kc, topic, sent) = sent_to_kafka("inbox_packs", PER).await;
+    let packs = packs_by_partition(&sent, PER);
+    assert!(
+        packs
+            .values()
+            .all(|p| p.len() >= 6 && p.iter().any(|k| k.len() == PER)),
+        "the batches make several full packs a partition: {packs:?}"
+    );
+    // Partition 1 resumes at its third pack.
+    let mut inbox = customer_inbox(&kc, &topic, resume_1_at_2(), 5, Duration::from_millis(200));
+    let from = |p: u32, first: usize| packs[&p][first..].concat();
+    let want = [(0, from(0, 0).len()), (1, from(1, 2).len())].into();
+    let mut assigned = BTreeSet::new();
+    let deliveries = take(&mut inbox, &mut assigned, &want).await;
+    assert_eq!(records_of(&deliveries, 0), from(0, 0));
+    assert_eq!(records_of(&deliveries, 1), from(1, 2));
+    for d in &deliveries {
+        let (first, next) = (d.lower.offset().unwrap(), d.upper.offset().unwrap());
+        assert_eq!(
+            d.records,
+            packs[&d.partition][first as usize..next as usize].concat(),
+            "a delivery of partition {} is the packs at offsets {first}..{next}",
+            d.partition
+        );
+        assert!(d.records.len() < 5 + PER, "a round over its bound: {d:?}");
+    }
+    assert_eq!(
+        deliveries.iter().find(|d| d.partition == 1).unwrap().lower,
+        Checkpoint::Offset(2),
+        "resumed where told"
+    );
+    inbox.seek(0, Some(Checkpoint::Offset(3))).await.unwrap();
+    let again = take(&mut inbox, &mut assigned, &[(0, from(0, 3).len())].into()).await;
+    assert_eq!(records_of(&again, 0), from(0, 3));
+    inbox.close().await;
+}
+
+/// A batch of three records of one partition, the middle one of an entity
+/// the applier does not know (its key one that hashes there), sent with
+/// `per` records a message; what a `customer` inbox delivered, and the
+/// dead-letter topic's one message.
+async fn an_unknown_entity_sent(
+    name: &str,
+    per: usize,
+) -> (Batch, Vec<Delivery>, rdkafka::message::OwnedMessage) {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+
+    let mut batch = batches().remove(0);
+    batch.records = (0..3).map(|i| rec(7, 100, i)).collect();
+    batch.records[1].entity = "invoice".into();
+    batch.records[1].root_key = (0..)
+        .map(|k: u32| RootKey(vec![Some(k.to_string())]))
+        .find(|k| {
+            let r = ChangeRecord {
+                root_key: k.clone(),
+                ..batch.records[1].clone()
+            };
+            partition_of(&r) == partition_of(&batch.records[0])
+        })
+        .unwrap();
+    let (kc, topic) = sent_batches(name, per, std::slice::from_ref(&batch)).await;
+    let p = partition_of(&batch.records[0]);
+    let resume: ResumeAt = Arc::new(|parts: &[u32]| Ok(parts.iter().map(|p| (*p, None)).collect()));
+    let mut inbox = customer_inbox(&kc, &topic, resume, 100, Duration::from_millis(200));
+    let deliveries = take(&mut inbox, &mut BTreeSet::new(), &[(p, 2)].into()).await;
+    inbox.close().await;
+    let consumer: BaseConsumer = kc
+        .clone()
+        .set("group.id", format!("{topic}.reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[&format!("{topic}.dlq")]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let m = loop {
+        assert!(
+            Instant::now() < deadline,
+            "nothing on the dead-letter topic"
+        );
+        if let Some(m) = consumer.poll(Duration::from_millis(500)) {
+            break m.unwrap().detach();
+        }
+    };
+    (batch, deliveries, m)
+}
+
+fn headers_of(m: &rdkafka::message::OwnedMessage) -> BTreeMap<String, String> {
+    use rdkafka::message::{Headers, Message};
+    m.headers()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h.key.to_string(),
+                String::from_utf8_lossy(h.value.unwrap()).into(),
+            )
+        })
+        .collect()
+}
+
+/// A pack holding a record of an entity the applier does not know: that
+/// record alone goes to the dead-letter topic (in the single-record
+/// format, keyed as on its own, its place in the pack in a header) and is
+/// counted; the pack's other records are delivered.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unknown_entity_in_a_pack_is_dead_lettered_alone() {
+    use rdkafka::message::Message;
+    use skein_transporter::kafka::decode;
+
+    let (batch, deliveries, m) = an_unknown_entity_sent("inbox_pack_dlq", 1000).await;
+    assert_eq!(deliveries.len(), 1, "{deliveries:?}");
+    let d = &deliveries[0];
+    assert_eq!(
+        d.records,
+        [batch.records[0].clone(), batch.records[2].clone()]
+    );
+    assert_eq!(
+        (d.lower, d.upper, d.dead_letters),
+        (Checkpoint::Offset(0), Checkpoint::Offset(1), 1),
+        "one pack at offset 0"
+    );
+    let env = decode(m.payload().unwrap()).unwrap();
+    assert_eq!(env.record.as_ref(), Some(&batch.records[1]));
+    assert_eq!(m.key(), Some(batch.records[1].transport_key().as_bytes()));
+    let headers = headers_of(&m);
+    assert_eq!(headers["skein_pack_index"], "1", "{headers:?}");
+    assert_eq!(headers["skein_offset"], "0");
+    assert!(
+        headers["skein_error"].contains("unknown entity `invoice`"),
+        "{headers:?}"
+    );
+}
+
+/// One record a message: a record of an unknown entity goes to the
+/// dead-letter topic as it came, with no pack index.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unknown_entity_alone_is_dead_lettered_as_it_came() {
+    use rdkafka::message::Message;
+    use skein_transporter::kafka::{encode, Envelope};
+
+    let (batch, deliveries, m) = an_unknown_entity_sent("inbox_single_dlq", 1).await;
+    let records: Vec<_> = deliveries.iter().flat_map(|d| d.records.clone()).collect();
+    assert_eq!(
+        records,
+        [batch.records[0].clone(), batch.records[2].clone()]
+    );
+    assert_eq!(deliveries.iter().map(|d| d.dead_letters).sum::<i32>(), 1);
+    let sent = encode(&Envelope {
+        lower: batch.lower,
+        upper: batch.upper,
+        has_data_loss: false,
+        record: Some(batch.records[1].clone()),
+    });
+    assert_eq!(m.payload(), Some(&sent[..]));
+    assert_eq!(m.key(), Some(batch.records[1].transport_key().as_bytes()));
+    let headers = headers_of(&m);
+    assert!(!headers.contains_key("skein_pack_index"), "{headers:?}");
+    assert_eq!(headers["skein_offset"], "1");
 }

@@ -678,15 +678,22 @@ async fn topic_with_too_few_partitions_is_refused() {
 /// One source change that touches two roots gives two records at the same
 /// source position: a root key update (delete of the old key, create of the
 /// new) and a child moved to another parent. Over Kafka with one partition
-/// and one record per applier batch, the second record must not be dropped
-/// as "already applied" (issue 10, defect 1).
+/// and one record per applier batch (so one record a message), the second
+/// record must not be dropped as "already applied" (issue 10, defect 1).
 #[tokio::test(flavor = "multi_thread")]
 async fn records_sharing_a_source_change_are_all_applied() {
     let env = Env::new_kafka("shared_change", |y| {
-        y.replace(
-            "  partitions: 4\n",
-            "  partitions: 1\n  max_batch_records: 1\n",
-        )
+        let y = y
+            .replace(
+                "  partitions: 4\n",
+                "  partitions: 1\n  max_batch_records: 1\n",
+            )
+            .replace(
+                "  records_per_message: 1000\n",
+                "  records_per_message: 1\n",
+            );
+        assert!(y.contains("  records_per_message: 1\n"), "{y}");
+        y
     })
     .await;
     let mut run = env.start().await;
@@ -760,7 +767,9 @@ async fn an_offset_the_log_no_longer_holds_is_data_loss() {
     // As if the topic had been recreated: the progress is past its end.
     env.exec("UPDATE skein.progress SET position = position + 1000;")
         .await;
-    let run = env.start().await;
+    // Not `start`: the applier stops on its first fetch, which may come
+    // before the extractor streams.
+    let run = env.spawn_all(&[]);
     env.exec("INSERT INTO customer (id, name) VALUES (3, 'Edsger');")
         .await;
     let status = run.wait_exit(Duration::from_secs(30));
@@ -1365,7 +1374,7 @@ async fn a_change_broker_outage_leaves_no_gap_in_a_partition() {
         .collect();
     let kc = client_config(&brokers, &props);
     ensure_topic(&kc, &topic, 1, 1).await.unwrap();
-    let transport = KafkaTransport::new(&kc, &topic, 1).unwrap();
+    let transport = KafkaTransport::new(&kc, &topic, 1, 1).unwrap();
     transport.send(one_record_batch(1, 0)).await.unwrap();
     kafka_sh(&format!("skein_kafka_stop {port}"));
     // Two batches in flight while the broker is away, handed over 4 s
@@ -1421,7 +1430,7 @@ async fn a_rejected_change_record_fails_the_records_after_it() {
             .await
             .unwrap();
     assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
-    let transport = KafkaTransport::new(&kc, &topic, 1).unwrap();
+    let transport = KafkaTransport::new(&kc, &topic, 1, 1).unwrap();
     transport.send(one_record_batch(1, 0)).await.unwrap();
     // Too large for the broker; the next one, in its own request, is not.
     let rejected = transport.submit(one_record_batch(2, 2000)).await.unwrap();

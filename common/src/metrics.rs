@@ -76,7 +76,8 @@ pub const RELAY_FAILURES: &str = "skein_relay_failures_total";
 pub const DEAD_LETTERS: &str = "skein_dead_letters_total";
 /// Change records sent and not yet applied, per partition (label
 /// `partition`): over Kafka the log end minus the sidecar's progress, in
-/// process the records handed over and not yet acknowledged.
+/// messages (a pack of records counts one), in process the records handed
+/// over and not yet acknowledged.
 pub const TRANSPORT_LAG: &str = "skein_transport_lag_records";
 /// Room of each in-process partition channel, in batches (Debezium:
 /// `QueueTotalCapacity`).
@@ -121,7 +122,7 @@ pub fn describe() {
         (SOURCE_UNREAD_AGE, Seconds, "Age of the oldest CDC change not yet read (SQL Server)."),
         (OUTBOX_PENDING, Count, "Outbox rows not yet relayed."),
         (OUTBOX_OLDEST_PENDING, Seconds, "Age of the oldest outbox row not yet relayed; 0 when none is."),
-        (TRANSPORT_LAG, Count, "Change records sent and not yet applied, by partition."),
+        (TRANSPORT_LAG, Count, "Change records (over Kafka: messages) sent and not yet applied, by partition."),
         (TRANSPORT_QUEUE_CAPACITY, Count, "Batches each in-process partition channel holds, in batches (Debezium: QueueTotalCapacity)."),
         (EXPLICIT_PENDING, Count, "Keys explicit runs queued and not yet published."),
         (REFRESHED_AT, Seconds, "Unix time of the last successful read of the pipeline-wide gauges."),

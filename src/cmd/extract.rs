@@ -44,7 +44,7 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
         Ok(vec![])
     })
     .await?;
-    let transport = KafkaTransport::new(&kc, topic, k.partitions)?;
+    let transport = KafkaTransport::new(&kc, topic, k.partitions, k.records_per_message)?;
     super::explicit::plan_initial_load(&cfg, first_start && floor.is_none()).await?;
     let mut source = AnySource::connect(&cfg).await?;
     let loading = tokio::spawn(super::explicit::initial_load(

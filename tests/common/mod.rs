@@ -52,6 +52,7 @@ pub fn kafka_transport_yaml(yaml: &str, brokers: &str, topic: &str) -> String {
         "  partitions: 4\n",
         &format!(
             "  partitions: 4\n  brokers: {brokers}\n  topic: {topic}\n  group: {topic}\n  batch_wait_ms: 20\n  \
+             records_per_message: 1000\n  \
              kafka_properties: {{ session.timeout.ms: \"6000\", heartbeat.interval.ms: \"500\", max.poll.interval.ms: \"10000\" }}\n"
         ),
         1,
@@ -342,6 +343,14 @@ impl Env {
     }
 
     pub async fn start_with(&self, env: &[(&str, &str)]) -> Running {
+        let mut r = self.spawn_all(env);
+        self.wait_streaming(&mut r).await;
+        r
+    }
+
+    /// Starts the pipeline's processes as [`Env::start_with`] does, without
+    /// waiting for anything (for a process that may stop at once).
+    pub fn spawn_all(&self, env: &[(&str, &str)]) -> Running {
         let mut r = Running { children: vec![] };
         for p in self.processes() {
             // Appliers use static membership: a restarted one takes its
@@ -354,7 +363,6 @@ impl Env {
             }
             r.children.push((p.to_string(), self.spawn(p, &env)));
         }
-        self.wait_streaming(&mut r).await;
         r
     }
 

@@ -37,6 +37,13 @@ pub const DEFAULT_BATCH_LINGER_MS: u64 = 0;
 /// linger until that became 0, and 0 left appliers unassigned (fixed since;
 /// 0 now means "what is ready").
 pub const DEFAULT_KAFKA_BATCH_WAIT_MS: u64 = 20;
+/// Default `transport.records_per_message` (Kafka): most change records
+/// one message carries. 1 (each record alone) until packs are a release
+/// old: an applier from before packs dead-letters a pack whole, so an
+/// extractor that packed by default after an upgrade would lose every
+/// change such an applier reads. Set it once every applier reads packs
+/// (new pipelines: from the start; the Kafka example sets 1000).
+pub const DEFAULT_RECORDS_PER_MESSAGE: usize = 1;
 /// Default longest time a batch stays open.
 pub const DEFAULT_MAX_BATCH_WAIT_MS: u64 = 200;
 /// Default `extractor.max_batches_in_flight`: the batch being applied and
@@ -193,8 +200,12 @@ pub struct KafkaTransport {
     pub replication_factor: i32,
     /// The appliers' consumer group: `transport.group` or `skein-<name>`.
     pub group: String,
-    /// Most records an applier takes into one batch (at least 1).
+    /// Most records an applier takes into one round, over its partitions
+    /// (at least 1; a pack that crosses it is taken whole).
     pub max_batch_records: usize,
+    /// Most records one message of the change topic carries (at least 1;
+    /// 1: each record alone, as before packs).
+    pub records_per_message: usize,
     /// How long an applier collects records before applying them.
     pub batch_wait_ms: u64,
     /// `skein apply` also relays the outbox rows of its partitions.
@@ -680,6 +691,13 @@ entities:
         assert!(e.contains("on_reject") || e.contains("skip"), "{e}");
         let c = with("transport: { kind: kafka, brokers: b, topic: t, group: g }").unwrap();
         assert!(matches!(&c.transport, Transport::Kafka(k) if k.group == "g"));
+        let c = with("transport: { kind: kafka, brokers: b, topic: t, records_per_message: 1 }")
+            .unwrap();
+        assert!(matches!(&c.transport, Transport::Kafka(k) if k.records_per_message == 1));
+        let e = with("transport: { kind: kafka, brokers: b, topic: t, records_per_message: 0 }")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("transport.records_per_message"), "{e}");
         // What the types cannot hold is refused, naming the field.
         let e = with("sink: { kind: file }").unwrap_err().to_string();
         assert!(e.contains("sink.path"), "{e}");
@@ -712,6 +730,7 @@ entities:
         };
         assert_eq!(k.group, format!("skein-{}", c.name));
         assert_eq!((k.brokers.as_str(), k.topic.as_str()), ("b", "t"));
+        assert_eq!(k.records_per_message, DEFAULT_RECORDS_PER_MESSAGE);
         assert_eq!(k.kafka_properties["sasl.password"].expose(), "hunter2");
         assert!(
             !format!("{c:?}").contains("hunter2"),

@@ -126,9 +126,15 @@ pub struct TransportConfig {
     pub replication_factor: i32,
     /// Kafka: consumer group of the appliers (default `skein-<name>`).
     pub group: Option<String>,
-    /// Kafka: most records an applier takes into one batch per partition.
+    /// Kafka: most records an applier takes into one round, over its
+    /// partitions (a pack that crosses it is taken whole).
     #[serde(default = "default_max_batch_records")]
     pub max_batch_records: usize,
+    /// Kafka: most change records one message carries: the records of one
+    /// batch bound for one partition travel together. 1 (the default):
+    /// each alone, the format appliers before packs read.
+    #[serde(default = "default_records_per_message")]
+    pub records_per_message: usize,
     /// Kafka: how long an applier collects records before applying them.
     #[serde(default = "default_batch_wait_ms")]
     pub batch_wait_ms: u64,
@@ -146,6 +152,9 @@ fn default_replication_factor() -> i32 {
 }
 fn default_max_batch_records() -> usize {
     DEFAULT_MAX_BATCH_CHANGES
+}
+fn default_records_per_message() -> usize {
+    DEFAULT_RECORDS_PER_MESSAGE
 }
 fn default_batch_wait_ms() -> u64 {
     DEFAULT_KAFKA_BATCH_WAIT_MS
@@ -172,6 +181,7 @@ impl Default for TransportConfig {
             replication_factor: default_replication_factor(),
             group: None,
             max_batch_records: default_max_batch_records(),
+            records_per_message: default_records_per_message(),
             batch_wait_ms: default_batch_wait_ms(),
             relay_in_apply: true,
             kafka_properties: BTreeMap::new(),

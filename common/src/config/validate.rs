@@ -148,6 +148,12 @@ impl RawConfig {
                 "must be at least 1".into(),
             ));
         }
+        if self.transport.kind == TransportKind::Kafka && self.transport.records_per_message == 0 {
+            return Err(err(
+                &[Key("transport"), Key("records_per_message")],
+                "must be at least 1 (1: each change record in a message of its own)".into(),
+            ));
+        }
         if self.sink.kind == SinkKind::Kafka && self.sink.brokers.is_none() {
             return Err(err(
                 &[Key("sink"), Key("brokers")],
@@ -327,6 +333,7 @@ impl RawConfig {
                     replication_factor: t.replication_factor,
                     group: t.group.unwrap_or_else(|| format!("skein-{}", self.name)),
                     max_batch_records: t.max_batch_records,
+                    records_per_message: t.records_per_message,
                     batch_wait_ms: t.batch_wait_ms,
                     relay_in_apply: t.relay_in_apply,
                     kafka_properties: t.kafka_properties,

@@ -15,7 +15,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use skein_common::Op;
 use tracing::{info, warn};
 
-use super::codec::decode;
+use super::codec::decode_message;
 use super::{kafka, KafkaTransportError};
 
 /// Creates `topic` with `partitions` partitions when it is missing, and
@@ -243,11 +243,11 @@ pub fn plan_replay(
             &ranges,
             "reading the replayed range",
             |m| {
-                if let Ok(env) = decode(m.payload().unwrap_or_default()) {
+                if let Ok(message) = decode_message(m.payload().unwrap_or_default()) {
                     // A truncate notice's key is a partition number, not an
                     // aggregate's: forgetting "its" version would delete the
                     // version row of whatever aggregate has that key.
-                    if let Some(r) = env.record.filter(|r| r.op != Op::Truncate) {
+                    for r in message.records.iter().filter(|r| r.op != Op::Truncate) {
                         affected.insert((r.entity.clone(), r.root_key.canonical()));
                     }
                 }

@@ -1,6 +1,8 @@
 //! The change topic's record format: a format byte, then an Avro datum of
-//! the [`Envelope`]. Both schemas are stored formats, frozen: v1 is still
-//! decoded so appliers can be upgraded before extractors.
+//! an [`Envelope`] (one record) or, from format 4, of a pack of records of
+//! one batch and one partition ([`Message`]). Every schema is a stored
+//! format, frozen: older ones are still decoded so appliers can be
+//! upgraded before extractors.
 
 use skein_common::position::ChangePosition;
 use skein_common::record::{Op, RootKey};
@@ -17,6 +19,14 @@ pub const FORMAT_V2: u8 = 2;
 /// symbol. Only a record with that op is written in it, so an applier that
 /// knows v2 only still reads every other record.
 pub const FORMAT_V3: u8 = 3;
+
+/// Format byte of a pack: the records of one partition of one batch, in
+/// their order, in one Kafka message ([`SCHEMA_V4_JSON`]). A batch of
+/// thousands of records is then a few messages a partition instead of one a
+/// record: librdkafka and the broker pay per message (its headers, its
+/// delivery report, its offset), which took more of the cores than
+/// skein's own work on the Kafka path. An applier takes a pack whole.
+pub const FORMAT_V4: u8 = 4;
 
 /// The Avro schema behind [`FORMAT_V2`], what [`encode`] writes for every
 /// record but a truncate notice.
@@ -67,6 +77,31 @@ pub const SCHEMA_V3_JSON: &str = r#"{
   ]
 }"#;
 
+/// The Avro schema behind [`FORMAT_V4`]: the batch's fields once, then its
+/// records of one partition (v3's record, truncate op included).
+pub const SCHEMA_V4_JSON: &str = r#"{
+  "type": "record", "name": "ChangePack", "namespace": "skein",
+  "doc": "Changes of one extractor batch (lower, upper] that went to one partition, in their order.",
+  "fields": [
+    {"name": "lower", "type": "string", "doc": "extractor batch: exclusive lower source position, as the source shows it"},
+    {"name": "upper", "type": "string", "doc": "extractor batch: inclusive upper source position"},
+    {"name": "has_data_loss", "type": "boolean"},
+    {"name": "records", "type": {"type": "array", "items": {
+      "type": "record", "name": "ChangeRecord",
+      "fields": [
+        {"name": "entity", "type": "string"},
+        {"name": "root_key", "type": {"type": "array", "items": ["null", "string"]}},
+        {"name": "table", "type": "string"},
+        {"name": "op", "type": {"type": "enum", "name": "Op", "symbols": ["insert", "update", "delete", "truncate"]}},
+        {"name": "commit", "type": "string", "doc": "commit position of the source transaction"},
+        {"name": "seq", "type": "long", "doc": "order of the change inside its transaction"},
+        {"name": "tx_id", "type": "long"},
+        {"name": "commit_time_micros", "type": "long"}
+      ]
+    }}}
+  ]
+}"#;
+
 /// The Avro schema behind [`FORMAT_V1`] (frozen; decode only).
 pub const SCHEMA_V1_JSON: &str = r#"{
   "type": "record", "name": "ChangeEnvelope", "namespace": "skein",
@@ -102,6 +137,63 @@ pub struct Envelope {
     pub has_data_loss: bool,
     /// The change; `None` for a data-loss notice.
     pub record: Option<ChangeRecord>,
+}
+
+/// What one message on the change topic carries, whatever its format: the
+/// batch's fields and its records (none for a data-loss notice; one in
+/// formats 1 to 3; those of one partition in format 4).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    /// The extractor batch the records belong to.
+    pub lower: SourcePosition,
+    /// See `lower`.
+    pub upper: SourcePosition,
+    /// The source reported lost changes before this batch.
+    pub has_data_loss: bool,
+    /// The records, in their order.
+    pub records: Vec<ChangeRecord>,
+}
+
+impl From<Envelope> for Message {
+    fn from(e: Envelope) -> Message {
+        Message {
+            lower: e.lower,
+            upper: e.upper,
+            has_data_loss: e.has_data_loss,
+            records: e.record.into_iter().collect(),
+        }
+    }
+}
+
+/// Records of one partition of a batch, encoded one after another, until
+/// [`BatchHead::pack`] makes them one [`FORMAT_V4`] message.
+#[derive(Debug, Default)]
+pub struct PackBuf {
+    records: Vec<u8>,
+    count: usize,
+}
+
+impl PackBuf {
+    /// Appends `r`.
+    pub fn push(&mut self, r: &ChangeRecord) {
+        put_record(&mut self.records, r);
+        self.count += 1;
+    }
+
+    /// How many records it holds.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The bytes of its records.
+    pub fn bytes(&self) -> usize {
+        self.records.len()
+    }
 }
 
 /// Encodes an envelope: [`FORMAT_V2`] (a truncate notice [`FORMAT_V3`])
@@ -147,36 +239,57 @@ impl BatchHead {
             return out;
         };
         put_long(&mut out, 1);
-        put_str(&mut out, &r.entity);
-        if !r.root_key.0.is_empty() {
-            put_long(&mut out, r.root_key.0.len() as i64);
-            for v in &r.root_key.0 {
-                match v {
-                    None => put_long(&mut out, 0),
-                    Some(s) => {
-                        put_long(&mut out, 1);
-                        put_str(&mut out, s);
-                    }
+        put_record(&mut out, r);
+        out
+    }
+
+    /// The [`FORMAT_V4`] message of the records `buf` holds in this batch
+    /// (one block of them), leaving `buf` empty.
+    pub fn pack(&self, buf: &mut PackBuf) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.bytes.len() + buf.records.len() + 12);
+        out.push(FORMAT_V4);
+        out.extend_from_slice(&self.bytes);
+        if buf.count > 0 {
+            put_long(&mut out, buf.count as i64);
+            out.extend_from_slice(&buf.records);
+        }
+        put_long(&mut out, 0);
+        buf.records.clear();
+        buf.count = 0;
+        out
+    }
+}
+
+/// A `ChangeRecord` datum.
+fn put_record(out: &mut Vec<u8>, r: &ChangeRecord) {
+    put_str(out, &r.entity);
+    if !r.root_key.0.is_empty() {
+        put_long(out, r.root_key.0.len() as i64);
+        for v in &r.root_key.0 {
+            match v {
+                None => put_long(out, 0),
+                Some(s) => {
+                    put_long(out, 1);
+                    put_str(out, s);
                 }
             }
         }
-        put_long(&mut out, 0);
-        put_str(&mut out, &r.table);
-        put_long(
-            &mut out,
-            match r.op {
-                Op::Insert => 0,
-                Op::Update => 1,
-                Op::Delete => 2,
-                Op::Truncate => 3,
-            },
-        );
-        put_display(&mut out, &r.position.commit);
-        put_long(&mut out, i64::try_from(r.position.seq).unwrap_or(i64::MAX));
-        put_long(&mut out, r.tx_id as i64);
-        put_long(&mut out, r.commit_time_micros);
-        out
     }
+    put_long(out, 0);
+    put_str(out, &r.table);
+    put_long(
+        out,
+        match r.op {
+            Op::Insert => 0,
+            Op::Update => 1,
+            Op::Delete => 2,
+            Op::Truncate => 3,
+        },
+    );
+    put_display(out, &r.position.commit);
+    put_long(out, i64::try_from(r.position.seq).unwrap_or(i64::MAX));
+    put_long(out, r.tx_id as i64);
+    put_long(out, r.commit_time_micros);
 }
 
 /// An Avro `long`: zig-zag, then 7 bits a byte, low first.
@@ -224,7 +337,9 @@ fn put_display(out: &mut Vec<u8>, p: &SourcePosition) {
     }
 }
 
-/// Decodes what [`encode`] wrote; anything else is an error naming why.
+/// Decodes what [`encode`] wrote, one envelope (formats 1 to 3); anything
+/// else, a pack included, is an error naming why. [`decode_message`] reads
+/// every format.
 ///
 /// Read by hand, like [`BatchHead::encode`] writes: apache-avro's reader
 /// resolved the schema and built a `Value` tree per record, then the tree
@@ -234,25 +349,47 @@ fn put_display(out: &mut Vec<u8>, p: &SourcePosition) {
 /// a string or a block over apache-avro's 512 MiB limit, which no broker
 /// passes in a message).
 pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
-    let Some((&format, body)) = bytes.split_first() else {
-        return Err("empty message".into());
-    };
+    let (format, mut r) = walk(bytes)?;
     let ops = match format {
         FORMAT_V1 | FORMAT_V2 => 3,
         FORMAT_V3 => 4,
+        FORMAT_V4 => return Err("a pack of records (format 4), not one envelope".into()),
         _ => return Err(format!("unknown format byte {format}")),
-    };
-    let mut r = Walk {
-        total: body.len(),
-        buf: body,
     };
     let env = r
         .envelope(format == FORMAT_V1, ops)
         .map_err(|e| format!("not a skein change record: {e}"))?;
-    if !r.buf.is_empty() {
-        return Err(format!("{} trailing bytes after the record", r.buf.len()));
-    }
+    r.end()?;
     Ok(env)
+}
+
+/// Decodes a message of the change topic in any format: an envelope
+/// ([`decode`]) or a pack ([`BatchHead::pack`]), held to apache-avro's
+/// reader as [`decode`] is.
+pub fn decode_message(bytes: &[u8]) -> std::result::Result<Message, String> {
+    let (format, mut r) = walk(bytes)?;
+    if format != FORMAT_V4 {
+        return decode(bytes).map(Message::from);
+    }
+    let message = r
+        .pack()
+        .map_err(|e| format!("not a skein change pack: {e}"))?;
+    r.end()?;
+    Ok(message)
+}
+
+/// The format byte, and a [`Walk`] over the rest.
+fn walk(bytes: &[u8]) -> std::result::Result<(u8, Walk<'_>), String> {
+    let Some((&format, body)) = bytes.split_first() else {
+        return Err("empty message".into());
+    };
+    Ok((
+        format,
+        Walk {
+            total: body.len(),
+            buf: body,
+        },
+    ))
 }
 
 /// Names the field an error of [`Walk`] arose in.
@@ -361,6 +498,66 @@ impl<'a> Walk<'a> {
         })
     }
 
+    /// The pack of [`SCHEMA_V4_JSON`].
+    fn pack(&mut self) -> std::result::Result<Message, String> {
+        let lower = self.position(false).map_err(field("lower"))?;
+        let upper = self.position(false).map_err(field("upper"))?;
+        let has_data_loss = self.boolean().map_err(field("has_data_loss"))?;
+        let mut records = vec![];
+        self.blocks(|w| {
+            records.push(w.record(false, 4)?);
+            Ok(())
+        })
+        .map_err(field("records"))?;
+        Ok(Message {
+            lower,
+            upper,
+            has_data_loss,
+            records,
+        })
+    }
+
+    /// Nothing may follow the datum.
+    fn end(&self) -> std::result::Result<(), String> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} trailing bytes after the record",
+                self.buf.len()
+            ))
+        }
+    }
+
+    /// An array's blocks, each item read by `item`: a count (negative: then
+    /// the block's size in bytes) and its items, until a count of 0. A
+    /// count that cannot fit in what is left (an item takes a byte at
+    /// least) is refused before anything is sized by it.
+    fn blocks(
+        &mut self,
+        mut item: impl FnMut(&mut Self) -> std::result::Result<(), String>,
+    ) -> std::result::Result<(), String> {
+        loop {
+            let mut n = self.long("array block count")?;
+            if n == 0 {
+                return Ok(());
+            }
+            if n < 0 {
+                n = n.checked_neg().unwrap_or(i64::MAX);
+                self.long("array block size")?;
+            }
+            if usize::try_from(n).map_or(true, |n| n > self.buf.len()) {
+                return Err(self.fail(&format!(
+                    "array block of {n} items does not fit in the {} bytes left",
+                    self.buf.len()
+                )));
+            }
+            for _ in 0..n {
+                item(self)?;
+            }
+        }
+    }
+
     fn record(&mut self, v1: bool, ops: i64) -> std::result::Result<ChangeRecord, String> {
         let entity = self.str("string").map_err(field("entity"))?.to_string();
         let root_key = self.root_key().map_err(field("root_key"))?;
@@ -390,33 +587,14 @@ impl<'a> Walk<'a> {
     /// An array of `["null", "string"]` in blocks.
     fn root_key(&mut self) -> std::result::Result<Vec<Option<String>>, String> {
         let mut items = vec![];
-        loop {
-            let mut n = self.long("array block count")?;
-            if n == 0 {
-                return Ok(items);
-            }
-            if n < 0 {
-                // A negative count is followed by the block's size in bytes.
-                n = n.checked_neg().unwrap_or(i64::MAX);
-                self.long("array block size")?;
-            }
-            match usize::try_from(n) {
-                // An item takes one byte at least (its union index).
-                Ok(n) if n <= self.buf.len() => items.reserve(n),
-                _ => {
-                    return Err(self.fail(&format!(
-                        "array block of {n} items does not fit in the {} bytes left",
-                        self.buf.len()
-                    )))
-                }
-            }
-            for _ in 0..n {
-                items.push(match self.index("union index", 2)? {
-                    0 => None,
-                    _ => Some(self.str("string")?.to_string()),
-                });
-            }
-        }
+        self.blocks(|w| {
+            items.push(match w.index("union index", 2)? {
+                0 => None,
+                _ => Some(w.str("string")?.to_string()),
+            });
+            Ok(())
+        })?;
+        Ok(items)
     }
 }
 
@@ -438,6 +616,65 @@ mod reference {
         LazyLock::new(|| Schema::parse_str(SCHEMA_V3_JSON).expect("the v3 schema is valid Avro"));
     pub(super) static SCHEMA_V1: LazyLock<Schema> =
         LazyLock::new(|| Schema::parse_str(SCHEMA_V1_JSON).expect("the v1 schema is valid Avro"));
+    pub(super) static SCHEMA_V4: LazyLock<Schema> =
+        LazyLock::new(|| Schema::parse_str(SCHEMA_V4_JSON).expect("the v4 schema is valid Avro"));
+
+    /// [`decode_message`] through apache-avro's reader.
+    pub(super) fn decode_message_reference(bytes: &[u8]) -> std::result::Result<Message, String> {
+        let Some((&FORMAT_V4, mut body)) = bytes.split_first() else {
+            return decode_reference(bytes).map(Message::from);
+        };
+        Walk {
+            total: body.len(),
+            buf: body,
+        }
+        .datum(&SCHEMA_V4)
+        .map_err(|e| format!("not a skein change pack: {e}"))?;
+        let value = apache_avro::from_avro_datum(&SCHEMA_V4, &mut body, None)
+            .map_err(|e| format!("not a skein change pack: {e}"))?;
+        if !body.is_empty() {
+            return Err(format!("{} trailing bytes after the record", body.len()));
+        }
+        let fields = record_fields(value)?;
+        let records = match fields.get("records") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| decode_record(v.clone()))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+            other => return Err(format!("field `records`: unexpected {other:?}")),
+        };
+        Ok(Message {
+            lower: position_field(&fields, "lower")?,
+            upper: position_field(&fields, "upper")?,
+            has_data_loss: matches!(fields.get("has_data_loss"), Some(Value::Boolean(true))),
+            records,
+        })
+    }
+
+    /// A pack of `records` through apache-avro's `Value`s: the reference
+    /// [`BatchHead::pack`] must equal byte for byte.
+    pub(super) fn pack_reference(
+        lower: SourcePosition,
+        upper: SourcePosition,
+        has_data_loss: bool,
+        records: &[ChangeRecord],
+    ) -> Vec<u8> {
+        let value = Value::Record(vec![
+            ("lower".into(), Value::String(lower.to_string())),
+            ("upper".into(), Value::String(upper.to_string())),
+            ("has_data_loss".into(), Value::Boolean(has_data_loss)),
+            (
+                "records".into(),
+                Value::Array(records.iter().map(record_value).collect()),
+            ),
+        ]);
+        let mut out = vec![FORMAT_V4];
+        out.extend(
+            apache_avro::to_avro_datum(&SCHEMA_V4, value)
+                .expect("a pack always matches its schema"),
+        );
+        out
+    }
 
     /// [`decode`] through apache-avro's reader: the reference the hand-written
     /// decoder must agree with.
@@ -611,54 +848,56 @@ mod reference {
         })
     }
 
+    /// A `ChangeRecord` as apache-avro's `Value`.
+    fn record_value(r: &ChangeRecord) -> Value {
+        Value::Record(vec![
+            ("entity".into(), Value::String(r.entity.clone())),
+            (
+                "root_key".into(),
+                Value::Array(
+                    r.root_key
+                        .0
+                        .iter()
+                        .map(|v| match v {
+                            None => Value::Union(0, Box::new(Value::Null)),
+                            Some(s) => Value::Union(1, Box::new(Value::String(s.clone()))),
+                        })
+                        .collect(),
+                ),
+            ),
+            ("table".into(), Value::String(r.table.clone())),
+            (
+                "op".into(),
+                match r.op {
+                    Op::Insert => Value::Enum(0, "insert".into()),
+                    Op::Update => Value::Enum(1, "update".into()),
+                    Op::Delete => Value::Enum(2, "delete".into()),
+                    Op::Truncate => Value::Enum(3, "truncate".into()),
+                },
+            ),
+            (
+                "commit".into(),
+                Value::String(r.position.commit.to_string()),
+            ),
+            (
+                "seq".into(),
+                Value::Long(i64::try_from(r.position.seq).unwrap_or(i64::MAX)),
+            ),
+            ("tx_id".into(), Value::Long(r.tx_id as i64)),
+            (
+                "commit_time_micros".into(),
+                Value::Long(r.commit_time_micros),
+            ),
+        ])
+    }
+
     /// [`encode`] through apache-avro's `Value`s: the reference the
     /// hand-written encoder must equal byte for byte.
     pub(super) fn encode_reference(e: &Envelope) -> Vec<u8> {
         let truncate = e.record.as_ref().is_some_and(|r| r.op == Op::Truncate);
         let record = match &e.record {
             None => Value::Union(0, Box::new(Value::Null)),
-            Some(r) => Value::Union(
-                1,
-                Box::new(Value::Record(vec![
-                    ("entity".into(), Value::String(r.entity.clone())),
-                    (
-                        "root_key".into(),
-                        Value::Array(
-                            r.root_key
-                                .0
-                                .iter()
-                                .map(|v| match v {
-                                    None => Value::Union(0, Box::new(Value::Null)),
-                                    Some(s) => Value::Union(1, Box::new(Value::String(s.clone()))),
-                                })
-                                .collect(),
-                        ),
-                    ),
-                    ("table".into(), Value::String(r.table.clone())),
-                    (
-                        "op".into(),
-                        match r.op {
-                            Op::Insert => Value::Enum(0, "insert".into()),
-                            Op::Update => Value::Enum(1, "update".into()),
-                            Op::Delete => Value::Enum(2, "delete".into()),
-                            Op::Truncate => Value::Enum(3, "truncate".into()),
-                        },
-                    ),
-                    (
-                        "commit".into(),
-                        Value::String(r.position.commit.to_string()),
-                    ),
-                    (
-                        "seq".into(),
-                        Value::Long(i64::try_from(r.position.seq).unwrap_or(i64::MAX)),
-                    ),
-                    ("tx_id".into(), Value::Long(r.tx_id as i64)),
-                    (
-                        "commit_time_micros".into(),
-                        Value::Long(r.commit_time_micros),
-                    ),
-                ])),
-            ),
+            Some(r) => Value::Union(1, Box::new(record_value(r))),
         };
         let value = Value::Record(vec![
             ("lower".into(), Value::String(e.lower.to_string())),
@@ -867,6 +1106,104 @@ mod tests {
         assert!(checked > 1000);
     }
 
+    /// A pack carries its partition's records of a batch in order, truncate
+    /// notices included, as apache-avro writes it; an empty one is the
+    /// batch's fields alone. [`decode`] (one envelope) refuses it, and
+    /// [`decode_message`] reads the single-record formats too.
+    #[test]
+    fn a_pack_carries_records_in_order_as_apache_avro_writes_them() {
+        let notice = ChangeRecord::truncate_notice(
+            "customer",
+            "public.address",
+            3,
+            ChangePosition {
+                commit: PgLsn(77).into(),
+                seq: 1,
+            },
+            5,
+            6,
+        );
+        let mut second = rec(vec![Some("ü,2"), None]);
+        second.position.seq = 300;
+        let records = vec![rec(vec![Some("1")]), notice, second];
+        let (lower, upper) = (PgLsn(10).into(), PgLsn(0x1_0000_0042).into());
+        let head = BatchHead::new(lower, upper, true);
+        let mut buf = PackBuf::default();
+        for r in &records {
+            buf.push(r);
+        }
+        assert_eq!((buf.len(), buf.is_empty()), (3, false));
+        let bytes = head.pack(&mut buf);
+        assert!(
+            buf.is_empty() && buf.bytes() == 0,
+            "packing empties the buffer"
+        );
+        assert_eq!(bytes[0], FORMAT_V4);
+        assert_eq!(bytes, pack_reference(lower, upper, true, &records));
+        let message = decode_message(&bytes).unwrap();
+        assert_eq!(
+            message,
+            Message {
+                lower,
+                upper,
+                has_data_loss: true,
+                records: records.clone(),
+            }
+        );
+        assert!(decode(&bytes).unwrap_err().contains("pack"));
+        let empty = head.pack(&mut buf);
+        assert_eq!(empty, pack_reference(lower, upper, true, &[]));
+        assert!(decode_message(&empty).unwrap().records.is_empty());
+        // The next pack starts afresh.
+        buf.push(&records[2]);
+        assert_eq!(
+            decode_message(&head.pack(&mut buf)).unwrap().records,
+            [records[2].clone()]
+        );
+        for e in [
+            Envelope {
+                lower,
+                upper,
+                has_data_loss: false,
+                record: Some(records[0].clone()),
+            },
+            Envelope {
+                lower,
+                upper,
+                has_data_loss: true,
+                record: None,
+            },
+        ] {
+            assert_eq!(decode_message(&encode(&e)).unwrap(), Message::from(e));
+        }
+    }
+
+    /// Every byte of a pack set to each of a few values: read as
+    /// apache-avro reads it.
+    #[test]
+    fn every_single_byte_change_of_a_pack_reads_as_apache_avro_reads_it() {
+        let mut buf = PackBuf::default();
+        buf.push(&rec(vec![Some("1"), None]));
+        buf.push(&ChangeRecord {
+            op: Op::Truncate,
+            ..rec(vec![])
+        });
+        let m = BatchHead::new(PgLsn(0x16B_3748).into(), PgLsn(0x1_0000_0042).into(), false)
+            .pack(&mut buf);
+        assert!(decode_message(&m).is_ok());
+        for i in 0..m.len() {
+            for b in [0u8, 1, 2, 3, 4, 5, 6, 0x30, 0x7f, 0x80, 0xff] {
+                let mut c = m.clone();
+                c[i] = b;
+                assert_eq!(
+                    decode_message(&c).ok(),
+                    decode_message_reference(&c).ok(),
+                    "{c:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert!(decode(b"").is_err());
@@ -992,17 +1329,51 @@ mod tests {
             )
         }
 
+        /// Packs of up to 4 records of every op.
+        fn pack() -> impl Strategy<Value = Message> {
+            (
+                position(),
+                position(),
+                any::<bool>(),
+                prop::collection::vec(
+                    record(
+                        position().boxed(),
+                        vec![Op::Insert, Op::Update, Op::Delete, Op::Truncate],
+                    ),
+                    0..4,
+                ),
+            )
+                .prop_map(|(lower, upper, has_data_loss, records)| Message {
+                    lower,
+                    upper,
+                    has_data_loss,
+                    records,
+                })
+        }
+
+        fn encode_pack(m: &Message) -> Vec<u8> {
+            let mut buf = PackBuf::default();
+            for r in &m.records {
+                buf.push(r);
+            }
+            BatchHead::new(m.lower, m.upper, m.has_data_loss).pack(&mut buf)
+        }
+
         fn valid() -> impl Strategy<Value = Vec<u8>> {
             prop_oneof![
                 envelope().prop_map(|e| encode(&e)),
                 pg_envelope().prop_map(|e| encode_v1(&e)),
+                pack().prop_map(|m| encode_pack(&m)),
             ]
         }
 
-        const TOKENS: &[&[u8]] = &[b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x7f"];
+        const TOKENS: &[&[u8]] = &[
+            b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x06", b"\x7f",
+        ];
 
         fn run(b: &[u8]) {
             check("change envelope", b.len(), || drop(decode(b)));
+            check("change message", b.len(), || drop(decode_message(b)));
         }
 
         proptest! {
@@ -1027,6 +1398,24 @@ mod tests {
                 for b in [a, m, v] {
                     prop_assert_eq!(decode(&b).ok(), decode_reference(&b).ok(), "{:?}", b);
                 }
+            }
+
+            #[test]
+            fn the_message_decoder_reads_as_apache_avro_does(
+                a in arbitrary_bytes(96),
+                m in mutated(valid(), TOKENS),
+                v in valid(),
+            ) {
+                for b in [a, m, v] {
+                    prop_assert_eq!(decode_message(&b).ok(), decode_message_reference(&b).ok(), "{:?}", b);
+                }
+            }
+
+            #[test]
+            fn packs_are_apache_avros_bytes_and_round_trip(m in pack()) {
+                let bytes = encode_pack(&m);
+                prop_assert_eq!(&bytes, &pack_reference(m.lower, m.upper, m.has_data_loss, &m.records));
+                prop_assert_eq!(decode_message(&bytes).unwrap(), m);
             }
 
             #[test]

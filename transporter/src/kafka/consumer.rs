@@ -28,7 +28,7 @@ use rdkafka::ClientContext;
 use skein_common::{ChangeRecord, Checkpoint, CheckpointKind};
 use tracing::{error, info, warn};
 
-use super::codec::decode;
+use super::codec::{decode_message, encode, Envelope, Message as Records, FORMAT_V4};
 use super::{dlq_topic, reliable_producer_config};
 use crate::{Delivery, Error, Inbox, Membership, Result, Round};
 
@@ -50,7 +50,8 @@ pub struct InboxSettings {
     /// Entities this applier knows; a record of another goes to the
     /// dead-letter topic.
     pub entities: HashSet<String>,
-    /// Most records one round takes.
+    /// Most records one round takes, over its partitions (a pack that
+    /// crosses it is taken whole).
     pub max_records: usize,
     /// Longest a round collects records.
     pub wait: Duration,
@@ -297,7 +298,8 @@ impl Buffers {
 /// What one blocking poll phase gave, in order.
 enum Polled {
     Membership(Membership),
-    Message(OwnedMessage),
+    /// A message, and what it decoded to (or why it did not).
+    Message(OwnedMessage, std::result::Result<Records, String>),
     /// A partition's offset is outside the log (`auto.offset.reset=error`).
     OutOfRange(String),
 }
@@ -501,13 +503,23 @@ impl KafkaInbox {
         }
     }
 
-    /// Sends an undecodable record to the dead-letter topic, with the
-    /// reason and where it came from in headers.
-    async fn dead_letter(&self, m: &OwnedMessage, problem: &str) -> Result<()> {
+    /// Sends a message that cannot be applied to the dead-letter topic,
+    /// with the reason and where it came from in headers: `key` and
+    /// `payload` are the message's own, or (`index`: its place in a pack)
+    /// one record of a pack, encoded alone.
+    async fn dead_letter(
+        &self,
+        m: &OwnedMessage,
+        index: Option<usize>,
+        key: Option<&[u8]>,
+        payload: Option<&[u8]>,
+        problem: &str,
+    ) -> Result<()> {
         let (p, off) = (m.partition(), m.offset());
-        warn!(partition = p, offset = off, error = %problem, topic = %self.dlq_topic, "undecodable record sent to the dead-letter topic");
+        warn!(partition = p, offset = off, index, error = %problem, topic = %self.dlq_topic, "record sent to the dead-letter topic");
         let (ps, os) = (p.to_string(), off.to_string());
-        let headers = OwnedHeaders::new()
+        let is = index.map(|i| i.to_string());
+        let mut headers = OwnedHeaders::new()
             .insert(Header {
                 key: "skein_error",
                 value: Some(problem.as_bytes()),
@@ -524,13 +536,19 @@ impl KafkaInbox {
                 key: "skein_offset",
                 value: Some(os.as_bytes()),
             });
+        if let Some(is) = &is {
+            headers = headers.insert(Header {
+                key: "skein_pack_index",
+                value: Some(is.as_bytes()),
+            });
+        }
         let mut rec = FutureRecord::to(&self.dlq_topic)
             .partition(p)
             .headers(headers);
-        if let Some(k) = m.key() {
+        if let Some(k) = key {
             rec = rec.key(k);
         }
-        if let Some(v) = m.payload() {
+        if let Some(v) = payload {
             rec = rec.payload(v);
         }
         self.dlq
@@ -547,8 +565,10 @@ impl KafkaInbox {
 const IDLE_POLL: Duration = Duration::from_millis(100);
 
 /// Polls for up to `wait` or `max` records (librdkafka's poll blocks and
-/// runs the rebalance callback), returning records and membership changes
-/// in the order they happened.
+/// runs the rebalance callback), returning messages, decoded, and
+/// membership changes in the order they happened. A pack counts its
+/// records, and is taken whole: a phase ends with at most `max` records
+/// plus a pack's less one.
 ///
 /// It always polls, also with a zero `wait` ("apply what is there"):
 /// librdkafka serves the group's assignment only inside a poll. With
@@ -586,8 +606,12 @@ fn poll_phase(consumer: &BaseConsumer<InboxContext>, wait: Duration, max: usize)
             }
             Some(Err(e)) => warn!(error = %e, "consumer error"),
             Some(Ok(m)) => {
-                out.push(Polled::Message(m.detach()));
-                taken += 1;
+                let decoded = match m.payload() {
+                    None => Err("a record without a value".to_string()),
+                    Some(bytes) => decode_message(bytes),
+                };
+                taken += decoded.as_ref().map_or(1, |d| d.records.len().max(1));
+                out.push(Polled::Message(m.detach(), decoded));
             }
         }
     }
@@ -634,37 +658,64 @@ impl Inbox for KafkaInbox {
         }
         let mut round = Round::default();
         for item in polled {
-            let m = match item {
+            let (m, decoded) = match item {
                 Polled::Membership(m) => {
                     self.buffers.membership(&m);
                     round.membership.push(m);
                     continue;
                 }
-                Polled::Message(m) => m,
+                Polled::Message(m, decoded) => (m, decoded),
                 Polled::OutOfRange(reason) => return Err(self.out_of_range(&reason).await),
             };
             let p = m.partition() as u32;
             if !self.buffers.offer(p, m.offset()) {
                 continue;
             }
-            let problem = match m.payload().map(decode) {
-                None => Some("a record without a value".to_string()),
-                Some(Err(e)) => Some(e),
-                Some(Ok(env)) => {
-                    let buf = self.buffers.buf(p).expect("offered above");
-                    buf.has_data_loss |= env.has_data_loss;
-                    match env.record {
-                        None => None,
-                        Some(r) if self.entities.contains(&r.entity) => {
-                            buf.records.push(r);
-                            None
-                        }
-                        Some(r) => Some(format!("unknown entity `{}`", r.entity)),
+            let decoded = match decoded {
+                Ok(d) => d,
+                Err(problem) => {
+                    self.dead_letter(&m, None, m.key(), m.payload(), &problem)
+                        .await?;
+                    if let Some(buf) = self.buffers.buf(p) {
+                        buf.dead_letters += 1;
                     }
+                    continue;
                 }
             };
-            if let Some(problem) = problem {
-                self.dead_letter(&m, &problem).await?;
+            let buf = self.buffers.buf(p).expect("offered above");
+            buf.has_data_loss |= decoded.has_data_loss;
+            let pack = m.payload().and_then(|b| b.first()) == Some(&FORMAT_V4);
+            let mut unknown = vec![];
+            for (i, r) in decoded.records.into_iter().enumerate() {
+                if self.entities.contains(&r.entity) {
+                    buf.records.push(r);
+                } else {
+                    unknown.push((i, r));
+                }
+            }
+            // A record of an entity this applier does not know goes to the
+            // dead-letter topic alone: a single-record message as it came,
+            // a pack's record in the single-record format, keyed as it
+            // would be on its own (the rest of its pack is applied).
+            for (i, r) in unknown {
+                let problem = format!("unknown entity `{}`", r.entity);
+                if !pack {
+                    self.dead_letter(&m, None, m.key(), m.payload(), &problem)
+                        .await?;
+                    if let Some(buf) = self.buffers.buf(p) {
+                        buf.dead_letters += 1;
+                    }
+                    continue;
+                }
+                let key = r.transport_key();
+                let alone = encode(&Envelope {
+                    lower: decoded.lower,
+                    upper: decoded.upper,
+                    has_data_loss: decoded.has_data_loss,
+                    record: Some(r),
+                });
+                self.dead_letter(&m, Some(i), Some(key.as_bytes()), Some(&alone), &problem)
+                    .await?;
                 if let Some(buf) = self.buffers.buf(p) {
                     buf.dead_letters += 1;
                 }

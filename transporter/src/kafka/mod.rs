@@ -1,7 +1,8 @@
-//! The Kafka transport: Avro-encoded change records on one topic, keyed by
-//! entity + canonical root key and partitioned by the same frozen hash as
+//! The Kafka transport: Avro-encoded change records on one topic,
+//! partitioned by the same frozen hash of entity + canonical root key as
 //! the in-process transport, so one aggregate's changes stay in one
-//! partition, in order.
+//! partition, in order. A batch's records of one partition travel in packs
+//! (several records a message, [`codec::FORMAT_V4`]).
 //!
 //! * [`codec`]: the frozen record format;
 //! * [`producer`]: the extractor side ([`KafkaTransport`]), idempotent with
@@ -24,9 +25,12 @@ use rdkafka::error::KafkaError;
 use skein_common::config::Secret;
 
 pub use admin::{ensure_topic, plan_replay, watermarks, ReplayFrom, ReplayPlan};
-pub use codec::{decode, encode, Envelope, FORMAT_V1, FORMAT_V2, SCHEMA_JSON, SCHEMA_V1_JSON};
+pub use codec::{
+    decode, decode_message, encode, Envelope, Message, FORMAT_V1, FORMAT_V2, FORMAT_V4,
+    SCHEMA_JSON, SCHEMA_V1_JSON, SCHEMA_V4_JSON,
+};
 pub use consumer::{InboxSettings, KafkaInbox, ResumeAt};
-pub use producer::{reliable_producer_config, KafkaTransport};
+pub use producer::{reliable_producer_config, KafkaTransport, MAX_PACK_BYTES};
 
 /// The dead-letter topic of a change topic: records an applier cannot
 /// decode go there, with the reason in a header, instead of stopping it.

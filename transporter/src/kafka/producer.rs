@@ -8,7 +8,7 @@ use rdkafka::producer::future_producer::OwnedDeliveryResult;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 
-use super::codec::BatchHead;
+use super::codec::{BatchHead, PackBuf};
 use super::{kafka, KafkaTransportError};
 use crate::{Batch, Error, Result, Transport};
 
@@ -55,20 +55,41 @@ pub fn gapless_producer_config(config: &ClientConfig) -> ClientConfig {
 /// error.
 const FATAL_CHECK: Duration = Duration::from_secs(1);
 
+/// Most bytes of records a pack holds before it is sent: far below the
+/// message size brokers and librdkafka accept by default (about 1 MB).
+/// A producer whose `message.max.bytes` is set lower packs at most half
+/// of that.
+pub const MAX_PACK_BYTES: usize = 256 * 1024;
+
+/// The bytes of records a pack closes at under `config`: [`MAX_PACK_BYTES`],
+/// or half the producer's `message.max.bytes` when that is less.
+fn pack_bytes(config: &ClientConfig) -> usize {
+    config
+        .get("message.max.bytes")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map_or(MAX_PACK_BYTES, |m| (m / 2).clamp(1, MAX_PACK_BYTES))
+}
+
 /// The extractor side over Kafka.
 pub struct KafkaTransport {
     producer: FutureProducer,
     topic: String,
     partitions: u32,
+    records_per_message: usize,
+    pack_bytes: usize,
 }
 
 impl KafkaTransport {
     /// An idempotent, `acks=all`, gapless producer for `topic`, whose
-    /// records never time out (see [`gapless_producer_config`]).
+    /// records never time out (see [`gapless_producer_config`]). A message
+    /// carries up to `records_per_message` records of one batch and
+    /// partition (a pack, format 4); 1 writes each record alone (formats 2
+    /// and 3), which appliers before packs read.
     pub fn new(
         config: &ClientConfig,
         topic: &str,
         partitions: u32,
+        records_per_message: usize,
     ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
         let mut c = gapless_producer_config(config);
         c.set("max.in.flight.requests.per.connection", "5");
@@ -76,6 +97,8 @@ impl KafkaTransport {
             producer: c.create().map_err(kafka("creating the producer"))?,
             topic: topic.into(),
             partitions,
+            records_per_message: records_per_message.max(1),
+            pack_bytes: pack_bytes(&c),
         })
     }
 
@@ -102,8 +125,10 @@ impl KafkaTransport {
 }
 
 impl Transport for KafkaTransport {
-    /// Produces every record (and, after a loss, a notice to every
-    /// partition); the ack waits until the broker acknowledged all of them.
+    /// Produces every record, each partition's in packs of up to
+    /// `records_per_message` in their order (and, after a loss, a notice to
+    /// every partition first); the ack waits until the broker acknowledged
+    /// all of them.
     async fn submit(&self, batch: Batch) -> Result<crate::Ack> {
         let mut pending = Vec::with_capacity(batch.records.len());
         // What every record of the batch shares, encoded once.
@@ -114,11 +139,33 @@ impl Transport for KafkaTransport {
                 pending.push(self.produce(p, "", &notice).await?);
             }
         }
-        for r in &batch.records {
-            let key = r.transport_key();
-            let partition = r.partition(self.partitions);
-            let payload = head.encode(Some(r));
-            pending.push(self.produce(partition, &key, &payload).await?);
+        if self.records_per_message == 1 {
+            for r in &batch.records {
+                let key = r.transport_key();
+                let partition = r.partition(self.partitions);
+                let payload = head.encode(Some(r));
+                pending.push(self.produce(partition, &key, &payload).await?);
+            }
+        } else {
+            // A pack's key is empty, like a notice's: its records have
+            // theirs inside, and the partition is chosen, not hashed.
+            let mut packs: Vec<PackBuf> =
+                (0..self.partitions).map(|_| PackBuf::default()).collect();
+            for r in &batch.records {
+                let partition = r.partition(self.partitions);
+                let buf = &mut packs[partition as usize];
+                buf.push(r);
+                if buf.len() >= self.records_per_message || buf.bytes() >= self.pack_bytes {
+                    let payload = head.pack(buf);
+                    pending.push(self.produce(partition, "", &payload).await?);
+                }
+            }
+            for (partition, buf) in packs.iter_mut().enumerate() {
+                if !buf.is_empty() {
+                    let payload = head.pack(buf);
+                    pending.push(self.produce(partition as u32, "", &payload).await?);
+                }
+            }
         }
         let topic = self.topic.clone();
         let producer = self.producer.clone();
@@ -193,11 +240,23 @@ impl Drop for KafkaTransport {
 
 #[cfg(test)]
 mod tests {
+
     //! The wait for deliveries (pure logic: the producer itself is tested
     //! against real brokers in tests/kafka.rs).
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
+
+    /// Packs stay well inside the message size the producer allows.
+    #[test]
+    fn packs_close_at_half_a_lower_message_max_bytes() {
+        let mut c = ClientConfig::new();
+        assert_eq!(pack_bytes(&c), MAX_PACK_BYTES);
+        c.set("message.max.bytes", "100000");
+        assert_eq!(pack_bytes(&c), 50_000);
+        c.set("message.max.bytes", "10000000");
+        assert_eq!(pack_bytes(&c), MAX_PACK_BYTES);
+    }
 
     /// Records delivered are delivered, even when the fatal check fell due
     /// meanwhile and a fatal error came after them (a later batch's
