@@ -1327,8 +1327,8 @@ fn one_record_batch(key: u64, pad: usize) -> skein_transporter::Batch {
     }
 }
 
-/// The keys of what partition 0 of `topic` holds, in order: polled until
-/// `want` came or `wait` passed.
+/// The keys of the change records partition 0 of `topic` holds, in order
+/// (those inside packs too): polled until `want` came or `wait` passed.
 fn keys_of_partition_0(brokers: &str, topic: &str, want: usize, wait: Duration) -> Vec<String> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
@@ -1344,7 +1344,9 @@ fn keys_of_partition_0(brokers: &str, topic: &str, want: usize, wait: Duration) 
     let t0 = Instant::now();
     while t0.elapsed() < wait && keys.len() < want {
         if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
-            keys.push(String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned());
+            let message = skein_transporter::kafka::decode_message(m.payload().unwrap_or_default())
+                .expect("a change message");
+            keys.extend(message.records.iter().map(|r| r.transport_key()));
         }
     }
     keys
@@ -1360,6 +1362,17 @@ fn keys_of_partition_0(brokers: &str, topic: &str, want: usize, wait: Duration) 
 /// `SKEIN_TEST_KAFKA_BROKER` says: it keeps its data across a restart.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_change_broker_outage_leaves_no_gap_in_a_partition() {
+    a_change_broker_outage_leaves_no_gap(1).await;
+}
+
+/// [`a_change_broker_outage_leaves_no_gap_in_a_partition`] with packs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_change_broker_outage_leaves_no_gap_in_a_partition_of_packs() {
+    a_change_broker_outage_leaves_no_gap(1000).await;
+}
+
+/// A broker outage while batches are in flight, `per` records a message.
+async fn a_change_broker_outage_leaves_no_gap(per: usize) {
     use skein_transporter::kafka::{client_config, ensure_topic, KafkaTransport};
     use skein_transporter::Transport;
 
@@ -1374,7 +1387,7 @@ async fn a_change_broker_outage_leaves_no_gap_in_a_partition() {
         .collect();
     let kc = client_config(&brokers, &props);
     ensure_topic(&kc, &topic, 1, 1).await.unwrap();
-    let transport = KafkaTransport::new(&kc, &topic, 1, 1).unwrap();
+    let transport = KafkaTransport::new(&kc, &topic, 1, per).unwrap();
     transport.send(one_record_batch(1, 0)).await.unwrap();
     kafka_sh(&format!("skein_kafka_stop {port}"));
     // Two batches in flight while the broker is away, handed over 4 s
@@ -1408,6 +1421,17 @@ async fn a_change_broker_outage_leaves_no_gap_in_a_partition() {
 /// `enable.gapless.guarantee` the next record was written.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rejected_change_record_fails_the_records_after_it() {
+    a_rejected_change_message_fails_the_ones_after_it(1).await;
+}
+
+/// [`a_rejected_change_record_fails_the_records_after_it`] with packs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rejected_pack_fails_the_packs_after_it() {
+    a_rejected_change_message_fails_the_ones_after_it(1000).await;
+}
+
+/// A message the broker rejects, `per` records a message.
+async fn a_rejected_change_message_fails_the_ones_after_it(per: usize) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     use rdkafka::client::DefaultClientContext;
     use skein_transporter::kafka::{client_config, KafkaTransport};
@@ -1430,7 +1454,7 @@ async fn a_rejected_change_record_fails_the_records_after_it() {
             .await
             .unwrap();
     assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
-    let transport = KafkaTransport::new(&kc, &topic, 1, 1).unwrap();
+    let transport = KafkaTransport::new(&kc, &topic, 1, per).unwrap();
     transport.send(one_record_batch(1, 0)).await.unwrap();
     // Too large for the broker; the next one, in its own request, is not.
     let rejected = transport.submit(one_record_batch(2, 2000)).await.unwrap();
