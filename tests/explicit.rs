@@ -264,7 +264,14 @@ async fn an_explicit_run_killed_halfway_resumes_where_it_stopped() {
     assert!(!status.success());
     let r = run_status(&env, 2);
     assert_eq!(r["queued"], 50, "{r}");
-    assert_eq!(r["pending"], 40, "two pages of five were published: {r}");
+    // Two pages of five at least; each partition commits its own pages,
+    // and commits of other partitions already under way when the second
+    // one aborts the process land too (a CI run saw four pages).
+    let pending = r["pending"].as_i64().unwrap();
+    assert!(
+        (30..=40).contains(&pending) && pending % 5 == 0,
+        "two to four pages of five were published: {r}"
+    );
     let mut run = env.start().await;
     wait_finished(&env, &mut run, 2).await;
     env.settle(&mut run).await;
