@@ -152,6 +152,9 @@ pub struct Message {
     pub has_data_loss: bool,
     /// The records, in their order.
     pub records: Vec<ChangeRecord>,
+    /// The message was a pack ([`FORMAT_V4`]): its records share one
+    /// message and no key of their own.
+    pub pack: bool,
 }
 
 impl From<Envelope> for Message {
@@ -161,6 +164,7 @@ impl From<Envelope> for Message {
             upper: e.upper,
             has_data_loss: e.has_data_loss,
             records: e.record.into_iter().collect(),
+            pack: false,
         }
     }
 }
@@ -349,7 +353,12 @@ fn put_display(out: &mut Vec<u8>, p: &SourcePosition) {
 /// a string or a block over apache-avro's 512 MiB limit, which no broker
 /// passes in a message).
 pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
-    let (format, mut r) = walk(bytes)?;
+    let (format, r) = walk(bytes)?;
+    envelope(format, r)
+}
+
+/// [`decode`] after the format byte.
+fn envelope(format: u8, mut r: Walk<'_>) -> std::result::Result<Envelope, String> {
     let ops = match format {
         FORMAT_V1 | FORMAT_V2 => 3,
         FORMAT_V3 => 4,
@@ -369,7 +378,7 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<Envelope, String> {
 pub fn decode_message(bytes: &[u8]) -> std::result::Result<Message, String> {
     let (format, mut r) = walk(bytes)?;
     if format != FORMAT_V4 {
-        return decode(bytes).map(Message::from);
+        return envelope(format, r).map(Message::from);
     }
     let message = r
         .pack()
@@ -514,6 +523,7 @@ impl<'a> Walk<'a> {
             upper,
             has_data_loss,
             records,
+            pack: true,
         })
     }
 
@@ -648,6 +658,7 @@ mod reference {
             upper: position_field(&fields, "upper")?,
             has_data_loss: matches!(fields.get("has_data_loss"), Some(Value::Boolean(true))),
             records,
+            pack: true,
         })
     }
 
@@ -1148,6 +1159,7 @@ mod tests {
                 upper,
                 has_data_loss: true,
                 records: records.clone(),
+                pack: true,
             }
         );
         assert!(decode(&bytes).unwrap_err().contains("pack"));
@@ -1348,6 +1360,7 @@ mod tests {
                     upper,
                     has_data_loss,
                     records,
+                    pack: true,
                 })
         }
 

@@ -28,7 +28,7 @@ use rdkafka::ClientContext;
 use skein_common::{ChangeRecord, Checkpoint, CheckpointKind};
 use tracing::{error, info, warn};
 
-use super::codec::{decode_message, encode, Envelope, Message as Records, FORMAT_V4};
+use super::codec::{decode_message, encode, Envelope, Message as Records};
 use super::{dlq_topic, reliable_producer_config};
 use crate::{Delivery, Error, Inbox, Membership, Result, Round};
 
@@ -506,9 +506,10 @@ impl KafkaInbox {
     /// Sends a message that cannot be applied to the dead-letter topic,
     /// with the reason and where it came from in headers: `key` and
     /// `payload` are the message's own, or (`index`: its place in a pack)
-    /// one record of a pack, encoded alone.
+    /// one record of a pack, encoded alone. Counted in its partition's
+    /// round as one dead letter.
     async fn dead_letter(
-        &self,
+        &mut self,
         m: &OwnedMessage,
         index: Option<usize>,
         key: Option<&[u8]>,
@@ -557,6 +558,9 @@ impl KafkaInbox {
             .map_err(|(e, _)| Error::Broker {
                 message: format!("sending to the dead-letter topic: {e}"),
             })?;
+        if let Some(buf) = self.buffers.buf(p as u32) {
+            buf.dead_letters += 1;
+        }
         Ok(())
     }
 }
@@ -676,15 +680,11 @@ impl Inbox for KafkaInbox {
                 Err(problem) => {
                     self.dead_letter(&m, None, m.key(), m.payload(), &problem)
                         .await?;
-                    if let Some(buf) = self.buffers.buf(p) {
-                        buf.dead_letters += 1;
-                    }
                     continue;
                 }
             };
             let buf = self.buffers.buf(p).expect("offered above");
             buf.has_data_loss |= decoded.has_data_loss;
-            let pack = m.payload().and_then(|b| b.first()) == Some(&FORMAT_V4);
             let mut unknown = vec![];
             for (i, r) in decoded.records.into_iter().enumerate() {
                 if self.entities.contains(&r.entity) {
@@ -699,12 +699,9 @@ impl Inbox for KafkaInbox {
             // would be on its own (the rest of its pack is applied).
             for (i, r) in unknown {
                 let problem = format!("unknown entity `{}`", r.entity);
-                if !pack {
+                if !decoded.pack {
                     self.dead_letter(&m, None, m.key(), m.payload(), &problem)
                         .await?;
-                    if let Some(buf) = self.buffers.buf(p) {
-                        buf.dead_letters += 1;
-                    }
                     continue;
                 }
                 let key = r.transport_key();
@@ -716,9 +713,6 @@ impl Inbox for KafkaInbox {
                 });
                 self.dead_letter(&m, Some(i), Some(key.as_bytes()), Some(&alone), &problem)
                     .await?;
-                if let Some(buf) = self.buffers.buf(p) {
-                    buf.dead_letters += 1;
-                }
             }
         }
         round.deliveries = self.buffers.take();
