@@ -139,6 +139,34 @@ async fn logical_delete_publishes_delete_then_create_on_undelete() {
     assert_exactly_once(&env).await;
 }
 
+/// Children whose root does not exist (no foreign key holds them) are
+/// never published: a deleted root stays deleted while its children
+/// change, a child of a root not yet created publishes nothing, and both
+/// show once their root exists.
+#[tokio::test(flavor = "multi_thread")]
+async fn children_of_a_missing_root_publish_nothing_until_it_exists() {
+    let env = Env::new("orphans", same).await;
+    let mut run = env.start().await;
+    let steps = [
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada');",
+        "INSERT INTO address VALUES (10, 1, 'home', 'London');",
+        "INSERT INTO address_line VALUES (10, 1, 'line one');",
+        "INSERT INTO contact VALUES (1, 'email', 'a@x');",
+        "DELETE FROM customer WHERE id = 1;",
+        "UPDATE address SET city = 'Paris' WHERE id = 10;",
+        "UPDATE address_line SET text = 'line 1' WHERE address_id = 10;",
+        "INSERT INTO contact VALUES (7, 'phone', '+1');",
+        "INSERT INTO customer (id, name) VALUES (7, 'Grace');",
+        "INSERT INTO customer (id, name) VALUES (1, 'Ada again');",
+    ];
+    for s in steps {
+        env.step(&mut run, s).await;
+    }
+    run.stop(&env);
+    assert_golden("orphans", &env.events());
+    assert_exactly_once(&env).await;
+}
+
 /// The quickstart workload one statement at a time: grandchild change, a
 /// child moved between roots, a root key update, NULL join columns.
 #[tokio::test(flavor = "multi_thread")]
