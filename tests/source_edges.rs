@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -528,14 +528,8 @@ async fn a_part_sent_again_after_a_crash_is_dropped_by_position() {
     assert_eq!(applied_records(&env).await, LARGE_RECORDS);
 }
 
-/// A TRUNCATE of an entity with many published aggregates is re-checked a
-/// page of keys per batch transaction (`max_batch_changes` keys), so
-/// memory and transaction size are a page; a crash between pages resumes
-/// after the last key re-checked: every aggregate deleted once, none
-/// missed, none twice.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_truncate_is_rechecked_a_page_at_a_time_and_resumes_after_a_crash() {
-    let env = small_batches("truncate_pages", 5).await;
+/// Publishes customers 1 to 60 and stops; returns the events seen.
+async fn sixty_customers_published(env: &Env) -> usize {
     let mut run = env.start().await;
     let mut seen = 0;
     let rows: Vec<String> = (1..=60).map(|i| format!("({i}, 'c{i}')")).collect();
@@ -547,8 +541,20 @@ async fn a_truncate_is_rechecked_a_page_at_a_time_and_resumes_after_a_crash() {
         ),
     )
     .await;
-    assert_eq!(new_actions(&env, &mut seen).len(), 60);
-    run.stop(&env);
+    assert_eq!(new_actions(env, &mut seen).len(), 60);
+    run.stop(env);
+    seen
+}
+
+/// A TRUNCATE of an entity with many published aggregates is re-checked a
+/// page of keys per batch transaction (`max_batch_changes` keys), so
+/// memory and transaction size are a page; a crash between pages resumes
+/// after the last key re-checked: every aggregate deleted once, none
+/// missed, none twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_truncate_is_rechecked_a_page_at_a_time_and_resumes_after_a_crash() {
+    let env = small_batches("truncate_pages", 5).await;
+    let mut seen = sixty_customers_published(&env).await;
     let run = env
         .start_with(&[("SKEIN_FAILPOINT", "applier.after_recheck_page:3")])
         .await;
@@ -564,6 +570,50 @@ async fn a_truncate_is_rechecked_a_page_at_a_time_and_resumes_after_a_crash() {
     assert_eq!(new_actions(&env, &mut seen), want);
     let log = env.log();
     assert!(log.contains("resuming a TRUNCATE re-check"), "{log}");
+    assert_exactly_once(&env).await;
+}
+
+/// The stop signal during a TRUNCATE re-check (every page slowed by a
+/// failpoint) ends it after the page under way: the process exits cleanly
+/// without re-checking the rest, and the restart resumes after the last
+/// key re-checked. Every aggregate is deleted once.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_stop_ends_a_truncate_recheck_between_pages() {
+    let env = small_batches("truncate_stop", 5).await;
+    let mut seen = sixty_customers_published(&env).await;
+    let mut run = env
+        .start_with(&[("SKEIN_FAILPOINT", "applier.after_recheck_page:*:sleep=300")])
+        .await;
+    env.exec("TRUNCATE customer, address, address_line, contact")
+        .await;
+    env.wait_count(
+        &mut run,
+        "SELECT count(*) FROM skein.outbox WHERE event LIKE '%customer.deleted%'",
+    )
+    .await;
+    let stopped = Instant::now();
+    run.stop(&env);
+    let log = env.log();
+    assert!(
+        log.contains("stopping a TRUNCATE re-check between pages"),
+        "{log}"
+    );
+    let before = new_actions(&env, &mut seen);
+    assert!(
+        before.len() < 60,
+        "the re-check ran to its end after the stop ({:?}): {before:?}",
+        stopped.elapsed()
+    );
+    let mut run = env.start().await;
+    env.settle(&mut run).await;
+    run.stop(&env);
+    let mut all = before;
+    all.extend(new_actions(&env, &mut seen));
+    all.sort();
+    let mut want: Vec<String> = (1..=60).map(|i| format!("customer.{i} deleted")).collect();
+    want.sort();
+    assert_eq!(all, want);
+    assert!(env.log().contains("resuming a TRUNCATE re-check"));
     assert_exactly_once(&env).await;
 }
 
@@ -613,19 +663,7 @@ async fn kafka_a_short_delivery_before_a_resumed_notice_keeps_the_recheck_cursor
         )
     })
     .await;
-    let mut run = env.start().await;
-    let mut seen = 0;
-    let rows: Vec<String> = (1..=60).map(|i| format!("({i}, 'c{i}')")).collect();
-    env.step(
-        &mut run,
-        &format!(
-            "INSERT INTO customer (id, name) VALUES {};",
-            rows.join(", ")
-        ),
-    )
-    .await;
-    assert_eq!(new_actions(&env, &mut seen).len(), 60);
-    run.stop(&env);
+    let mut seen = sixty_customers_published(&env).await;
     let yaml = std::fs::read_to_string(&env.config).unwrap();
     // Phase 1: the extractor alone puts the updates and the TRUNCATE on the
     // topic; then an applier that gathers long takes each partition's

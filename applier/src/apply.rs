@@ -13,6 +13,7 @@ use skein_common::{ChangeRecord, Checkpoint, CheckpointKind, Dialect, RootKey};
 use skein_sql::postgres::{check_schema_change, describe_change, schema_stop};
 use skein_sql::Catalog;
 use skein_transporter::Delivery;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::coverage::{coverable, Coverage, Snapshot};
@@ -274,6 +275,9 @@ pub struct Applier<S: Sidecar> {
     coverage: Coverage,
     /// The stored versions this owner read or wrote.
     known: KnownVersions,
+    /// The stop: a delivery of several steps (a TRUNCATE re-check) ends
+    /// after the step under way ([`Error::Interrupted`]).
+    interrupt: CancellationToken,
 }
 
 impl<S: Sidecar> Applier<S> {
@@ -304,7 +308,14 @@ impl<S: Sidecar> Applier<S> {
             claimed: false,
             coverage: Coverage::default(),
             known: KnownVersions::default(),
+            interrupt: CancellationToken::new(),
         })
+    }
+
+    /// Once `interrupt` fires, a delivery of several committed steps (a
+    /// TRUNCATE re-check's pages) stops after the step under way.
+    pub fn interrupted_by(&mut self, interrupt: CancellationToken) {
+        self.interrupt = interrupt;
     }
 
     /// Renders the hydration queries again when the catalog the open
@@ -598,6 +609,13 @@ impl<S: Sidecar> Applier<S> {
                 return Ok(total);
             }
             failpoint("applier.after_recheck_page");
+            if self.interrupt.is_cancelled() {
+                info!(partition = self.partition, entity = %notice.entity, after = ?after,
+                    "stopping a TRUNCATE re-check between pages; it resumes after the last key re-checked");
+                return Err(Error::Interrupted {
+                    partition: self.partition,
+                });
+            }
         }
     }
 

@@ -35,6 +35,14 @@ pub enum Error {
         expected: Option<Fence>,
         found: Option<Fence>,
     },
+    /// The stop came between two committed steps of one delivery (the
+    /// pages of a TRUNCATE re-check): the rest is not applied, and the
+    /// partition's next owner resumes after the last committed step.
+    #[error(
+        "partition {partition}: stopped between the pages of a TRUNCATE re-check; \
+         it resumes after the last key re-checked"
+    )]
+    Interrupted { partition: u32 },
     /// The source's schema changed under the running pipeline in a way the
     /// config cannot follow (a column it names dropped or retyped).
     #[error("{message}\nFix:\n{fix}")]

@@ -39,15 +39,21 @@ pub enum AfterFailure {
     /// Another applier moved the progress: nothing was written. Read the
     /// progress again and seek the partition there; this process goes on.
     Reseek,
+    /// The stop came between two committed steps of the delivery: it is
+    /// refused to the inbox as not applied, which is no failure (the loop
+    /// is stopping anyway); the next owner resumes from the progress.
+    Interrupted,
     /// Anything else: report the failure to the inbox and stop; a restart
     /// resumes from the sidecar's progress.
     Stop,
 }
 
-/// The fence decision, pure: only a fence is survived in place.
+/// The fence decision, pure: only a fence is survived in place, and only
+/// the stop's interruption is no failure.
 pub fn after_failure(e: &Error) -> AfterFailure {
     match e {
         Error::Fenced { .. } => AfterFailure::Reseek,
+        Error::Interrupted { .. } => AfterFailure::Interrupted,
         _ => AfterFailure::Stop,
     }
 }
@@ -330,6 +336,16 @@ impl Lanes {
                     self.drop_held(p, "not applied: the partition is re-seeked after a fence");
                     self.reseek.insert(p);
                 }
+                AfterFailure::Interrupted => {
+                    // Nothing after it may be applied (the re-check's
+                    // progress must stay): the loop stops taking work.
+                    info!(partition = p, "{e}");
+                    if !explicit {
+                        self.acks.push((p, Err(e.to_string())));
+                    }
+                    self.drop_held(p, "not applied: the applier is stopping");
+                    self.stopping = true;
+                }
                 AfterFailure::Stop => {
                     if explicit {
                         error!(partition = p, error = %e, "publishing explicit keys failed");
@@ -345,6 +361,12 @@ impl Lanes {
         if let Some(a) = self.start_next(p, a, explicit, mine.contains(&p)) {
             self.idle.insert(p, a);
         }
+    }
+
+    /// A failure or the stop's interruption ends the loop: nothing new
+    /// starts.
+    fn ending(&self) -> bool {
+        self.fatal.is_some() || self.stopping
     }
 
     /// Waits for every running apply (no batch is abandoned
@@ -382,6 +404,10 @@ impl Lanes {
 
 /// Runs the appliers of every partition the inbox assigns until the inbox
 /// closes (in-process: the extractor is gone) or `cancel` fires (Kafka).
+/// `interrupt` is the stop signal: a delivery applied in several committed
+/// steps (a TRUNCATE re-check's pages) ends after the step under way
+/// instead of running to its end first (in-process, where `cancel` never
+/// fires, as over Kafka).
 ///
 /// Per round: membership changes first (ownership for the relay, cached
 /// progress forgotten), then every delivery applied concurrently, each
@@ -400,6 +426,7 @@ pub async fn run<I: Inbox>(
     owned: Option<Owned>,
     wake: RelayWake,
     cancel: CancellationToken,
+    interrupt: CancellationToken,
 ) -> Result<()> {
     let topic = inbox.topic().to_string();
     let kind = inbox.checkpoint_kind();
@@ -425,7 +452,7 @@ pub async fn run<I: Inbox>(
                     }
                 }
             }
-            if lanes.fatal.is_some() {
+            if lanes.ending() {
                 break;
             }
             // Owned partitions with no task running look at their explicit
@@ -437,7 +464,10 @@ pub async fn run<I: Inbox>(
                 let a = match lanes.idle.remove(&p) {
                     Some(a) => a,
                     None => match connect(cfg, catalog, &topic, p, kind).await {
-                        Ok(a) => a,
+                        Ok(mut a) => {
+                            a.interrupted_by(interrupt.clone());
+                            a
+                        }
                         Err(e) => {
                             error!(partition = p, error = %e, "the applier could not start");
                             lanes.fatal.get_or_insert(e);
@@ -449,16 +479,17 @@ pub async fn run<I: Inbox>(
                     lanes.idle.insert(p, a);
                 }
             }
-            if lanes.fatal.is_some() {
+            if lanes.ending() {
                 break;
             }
             let round = if overlap {
                 let next = inbox.next();
                 tokio::pin!(next);
                 loop {
-                    // After a failure nothing new is taken: the loop stops.
-                    // (A poll dropped mid-way keeps its records.)
-                    if lanes.fatal.is_some() {
+                    // After a failure or an interruption nothing new is
+                    // taken: the loop stops. (A poll dropped mid-way keeps
+                    // its records.)
+                    if lanes.ending() {
                         break None;
                     }
                     let hold_on = !lanes.tasks.is_empty()
@@ -543,7 +574,8 @@ pub async fn run<I: Inbox>(
                     continue;
                 }
                 match connect(cfg, catalog, &topic, p, kind).await {
-                    Ok(a) => {
+                    Ok(mut a) => {
+                        a.interrupted_by(interrupt.clone());
                         lanes.idle.insert(p, a);
                     }
                     Err(e) => failed_start = Some((p, e)),
@@ -561,8 +593,8 @@ pub async fn run<I: Inbox>(
             let merge_limit = cfg.extractor.max_batch_changes.max(1);
             for d in round.deliveries {
                 let p = d.partition;
-                if lanes.fatal.is_some() {
-                    lanes.acks.push((p, Err("not applied: the applier is stopping after a failure".into())));
+                if lanes.ending() {
+                    lanes.acks.push((p, Err("not applied: the applier is stopping".into())));
                 } else if lanes.reseek.contains(&p) {
                     // Read before the seek to the stored progress: the
                     // inbox delivers the partition again from there.

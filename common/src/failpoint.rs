@@ -3,7 +3,8 @@
 //! named point. `SKEIN_FAILPOINT=<name>:<n>` aborts on the n-th time.
 //! `SKEIN_FAILPOINT=<name>:<n>:sleep=<ms>` instead stalls the calling thread
 //! that long on the n-th time (a process paused mid-batch, as by a long GC
-//! or a frozen VM), then carries on. `SKEIN_FAILPOINT=<name>:<n>:error=<ms>`
+//! or a frozen VM), then carries on; `*` for `<n>` acts every time (a slow
+//! step: `<name>:*:sleep=<ms>`). `SKEIN_FAILPOINT=<name>:<n>:error=<ms>`
 //! stalls that long and then fails the step (a point checked with
 //! [`failpoint_result`]; [`failpoint`] carries on).
 //! Costs one environment read per call when unset; the points sit on batch
@@ -24,7 +25,11 @@ enum Action {
 fn parse(spec: &str) -> (&str, u64, Action) {
     let mut parts = spec.split(':');
     let point = parts.next().unwrap_or("");
-    let nth = parts.next().and_then(|n| n.parse().ok()).unwrap_or(1);
+    // 0: every time.
+    let nth = match parts.next() {
+        Some("*") => 0,
+        n => n.and_then(|n| n.parse().ok()).unwrap_or(1),
+    };
     let action = match parts.next().and_then(|a| a.split_once('=')) {
         Some(("sleep", ms)) => Action::Sleep(ms.parse().unwrap_or(0)),
         Some(("error", ms)) => Action::Error(ms.parse().unwrap_or(0)),
@@ -48,7 +53,7 @@ pub fn failpoint_result(name: &str) -> Result<(), String> {
     if point != name {
         return Ok(());
     }
-    if HITS.fetch_add(1, Ordering::SeqCst) + 1 != nth {
+    if HITS.fetch_add(1, Ordering::SeqCst) + 1 != nth && nth != 0 {
         return Ok(());
     }
     match action {
@@ -80,5 +85,6 @@ mod tests {
         assert_eq!(parse("a.b:3"), ("a.b", 3, Action::Abort));
         assert_eq!(parse("a.b:2:sleep=500"), ("a.b", 2, Action::Sleep(500)));
         assert_eq!(parse("a.b:2:error=70"), ("a.b", 2, Action::Error(70)));
+        assert_eq!(parse("a.b:*:sleep=5"), ("a.b", 0, Action::Sleep(5)));
     }
 }

@@ -28,7 +28,7 @@ use skein_common::failpoint::failpoint;
 use skein_common::metrics as m;
 use skein_common::{ChangeRecord, SourcePosition};
 use skein_sql::Catalog;
-use skein_transporter::{Ack, Batch, Transport};
+use skein_transporter::{Ack, Batch, Error as TransportError, Transport};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
@@ -397,7 +397,7 @@ async fn pipeline<S: ChangeSource + Send, T: Transport + Sync>(
     };
     let (read, acked) = tokio::join!(reader, async {
         let r = tokio::select! {
-            r = acknowledge(markers, acks, &durable) => r,
+            r = acknowledge(markers, acks, &durable, cancel) => r,
             _ = async {
                 reader_failed.cancelled().await;
                 tokio::time::sleep(READER_FAILED_GRACE).await;
@@ -565,6 +565,7 @@ async fn acknowledge(
     markers: &dyn MarkerStore,
     mut acks: tokio::sync::mpsc::UnboundedReceiver<Sent<'_>>,
     durable: &Mutex<Option<SourcePosition>>,
+    signal: &CancellationToken,
 ) -> Result<Option<SourcePosition>> {
     let mut last = None;
     while let Some(sent) = acks.recv().await {
@@ -588,7 +589,23 @@ async fn acknowledge(
             let waiting = Instant::now();
             loop {
                 tokio::select! {
-                    r = &mut ack => { r?; break; }
+                    r = &mut ack => match r {
+                        Ok(()) => break,
+                        // After the signal, an applier may stop inside a
+                        // batch (between the pages of a TRUNCATE re-check):
+                        // that batch and the ones after it are not applied,
+                        // and the next start sends them again. The applier
+                        // reports a real failure of its own.
+                        Err(e @ (TransportError::ApplierFailed { .. }
+                        | TransportError::Disconnected { .. }))
+                            if signal.is_cancelled() =>
+                        {
+                            info!(batch = seq, reason = %e,
+                                "batch not applied before the stop; the next start sends it again");
+                            return Ok(last);
+                        }
+                        Err(e) => return Err(e.into()),
+                    },
                     _ = tokio::time::sleep(ACK_WAIT_WARN) => warn!(
                         batch = seq,
                         waiting_s = waiting.elapsed().as_secs(),

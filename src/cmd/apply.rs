@@ -66,6 +66,7 @@ pub async fn apply(cfg: Config, instance_id: Option<String>) -> anyhow::Result<(
         Some(owned),
         wake,
         cancel.clone(),
+        cancel.clone(),
     );
     let (result, relay_died) = match relay.as_mut() {
         Some(relay) => watch_relay(applying, relay, &cancel).await,

@@ -38,9 +38,11 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         InProcess::new(t.partitions, t.channel_capacity, cfg.source.dialect());
     let wake = RelayWake::default();
     let appliers = {
-        let (cfg, wake) = (cfg.clone(), wake.clone());
+        let (cfg, wake, interrupt) = (cfg.clone(), wake.clone(), cancel.clone());
         // The in-process appliers stop when the extractor's side closes,
-        // not on the signal: what was sent is applied first.
+        // not on the signal: what was sent is applied first, but for the
+        // rest of a TRUNCATE re-check (the signal interrupts it between
+        // pages; the extractor sends its batch again at the next start).
         tokio::spawn(async move {
             skein_applier::run(
                 &cfg,
@@ -49,6 +51,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                 None,
                 wake,
                 CancellationToken::new(),
+                interrupt,
             )
             .await
         })
