@@ -579,7 +579,7 @@ async fn a_truncate_is_rechecked_a_page_at_a_time_and_resumes_after_a_crash() {
 /// key re-checked. Every aggregate is deleted once.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_stop_ends_a_truncate_recheck_between_pages() {
-    let env = small_batches("truncate_stop", 5).await;
+    let env = small_batches("truncate_stop_signal", 5).await;
     let mut seen = sixty_customers_published(&env).await;
     let mut run = env
         .start_with(&[("SKEIN_FAILPOINT", "applier.after_recheck_page:*:sleep=300")])

@@ -78,19 +78,33 @@ pub async fn connect(url: &str) -> Client {
     c
 }
 
-/// Drops (with its slots) and creates a database.
+/// Panics when a test of this binary already took database `db_name`:
+/// the tests of a binary run at once, and two on one database (and one
+/// slot, one run folder) fail each other at random.
+fn claim_db_name(db_name: &str) {
+    static TAKEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut taken = TAKEN.lock().unwrap_or_else(|e| e.into_inner());
+    assert!(
+        !taken.iter().any(|t| t == db_name),
+        "two tests of this binary use database {db_name}: give one of them another name"
+    );
+    taken.push(db_name.to_string());
+}
+
 /// The URL of test database `skein_t_<name>` on the server of `admin_url`.
 fn test_db_url(admin_url: &str, name: &str) -> String {
     format!("{}/skein_t_{name}", admin_url.rsplit_once('/').unwrap().0)
 }
 
+/// Drops (with its slots) and creates a database.
 pub async fn recreate_db(admin: &Client, db_name: &str) {
+    claim_db_name(db_name);
     for sql in [
         format!("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{db_name}'"),
         format!("DROP DATABASE IF EXISTS {db_name} WITH (FORCE)"),
         format!("CREATE DATABASE {db_name}"),
     ] {
-        admin.simple_query(&sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+        admin.simple_query(&sql).await.unwrap_or_else(|e| panic!("{sql}: {e:?}"));
     }
 }
 
