@@ -427,17 +427,11 @@ async fn review_a_reference_to_a_char_key_is_that_rows_own_identifier() {
     let events = env.events();
     let two = gid(contact_events(&events, "2")[0]);
     let one = contact_events(&events, "1")[0].clone();
-    let stored: Vec<(String, String)> = env
-        .db
-        .query(
-            "SELECT key, global_id FROM skein.identifier_mapping ORDER BY key",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let stored: Vec<(String, String)> = pairs(
+        &env.db,
+        "SELECT key, global_id FROM skein.identifier_mapping ORDER BY key",
+    )
+    .await;
     run.stop(&env);
     assert_eq!(
         one["data"]["global_alternate_contact_id"], two,

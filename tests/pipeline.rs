@@ -710,7 +710,7 @@ async fn events_committed_while_the_relay_sends_wake_it_again() {
     assert_exactly_once(&env).await;
 }
 
-/// An event a killed process sent but did not mark dequeued goes out again
+/// An event a killed process sent but did not move the relay's cursor past goes out again
 /// as soon as the pipeline is back: over Kafka, when the applier takes its
 /// partitions again (its relay has none before), not at the relay's next
 /// poll (an hour here).

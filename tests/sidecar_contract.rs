@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{admin_url, connect, recreate_db};
+use common::{admin_url, connect, pairs, recreate_db};
 use skein_applier::relay::{purge, relay_once, run_relay, RelayScope, RelaySettings, RelayWake};
 use skein_applier::sidecar::{
     AnySidecar, BatchCommit, ExplicitChunk, Fence, NewRun, OutboxRow, PgSidecar, Rewind, Sidecar,
@@ -481,6 +481,172 @@ async fn postgres_sidecar_purges_only_relayed_rows_past_their_retention() {
     assert_eq!(gone, 2);
     assert_eq!(sc.pending().await.unwrap().0, 2);
     assert_eq!(relay_all(&mut sc).await.len(), 2);
+}
+
+/// A batch draws its outbox ids under its partition's outbox lock, so a
+/// partition's ids grow in commit order even between writers of other
+/// groups or topics sharing the outbox (the relay's cursor relies on it):
+/// held elsewhere, the lock holds the commit back until it is released.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_writes_its_outbox_rows_under_the_partitions_lock() {
+    let url = pg_db("skein_t_contract_outbox_lock").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    let mut other = connect(url.expose()).await;
+    let tx = other.transaction().await.unwrap();
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('skein.outbox.skein'), 2)",
+        &[],
+    )
+    .await
+    .unwrap();
+    let commit = tokio::spawn(async move {
+        sc.commit(&batch(None, 10, pg_lsn(1), 1, 1))
+            .await
+            .map(|_| sc)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !commit.is_finished(),
+        "the batch committed while another writer held its partition's outbox lock"
+    );
+    let drawn: Option<i64> = tx
+        .query_one(
+            "SELECT pg_sequence_last_value('skein.outbox_row_id_seq')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        drawn, None,
+        "outbox ids were drawn before the lock was granted"
+    );
+    tx.rollback().await.unwrap();
+    let mut sc = tokio::time::timeout(Duration::from_secs(10), commit)
+        .await
+        .expect("the batch commits once the lock is free")
+        .unwrap()
+        .unwrap();
+    assert_eq!(sc.pending().await.unwrap().0, 2);
+    assert_eq!(relay_all(&mut sc).await.len(), 2);
+}
+
+/// The relay takes every row at or below its partition's cursor as sent,
+/// so a batch whose ids do not pass the partition's highest (its id
+/// sequence reset, or caching values per session) is refused whole with
+/// an error that says so, instead of writing rows the relay would skip.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_whose_outbox_ids_go_back_is_refused() {
+    let url = pg_db("skein_t_contract_outbox_order").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    sc.commit(&batch(None, 10, pg_lsn(1), 1, 1)).await.unwrap();
+    assert_eq!(relay_all(&mut sc).await.len(), 2);
+    // The relayed rows past their retention go: ids 1 and 2 are free
+    // again, and only the cursor (2) remembers them.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let cancel = CancellationToken::new();
+    assert_eq!(purge(&mut sc, Duration::ZERO, &cancel).await.unwrap(), 2);
+    let db = connect(url.expose()).await;
+    db.batch_execute("ALTER SEQUENCE skein.outbox_row_id_seq RESTART WITH 1")
+        .await
+        .unwrap();
+    let e = sc
+        .commit(&batch(Some(10), 20, pg_lsn(2), 3, 2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutboxOrder {
+                partition: 2,
+                drawn: 1,
+                floor: 2
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(sc.pending().await.unwrap().0, 0, "nothing was written");
+    let progress = sc
+        .progress("contract", "in-process", 2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(progress.position, 10, "the progress did not move");
+    // Past the highest id again, batches go on.
+    db.batch_execute("ALTER SEQUENCE skein.outbox_row_id_seq RESTART WITH 100")
+        .await
+        .unwrap();
+    sc.commit(&batch(Some(10), 20, pg_lsn(2), 3, 2))
+        .await
+        .unwrap();
+    assert_eq!(relay_all(&mut sc).await, vec!["{\"n\":3}", "{\"n\":4}"]);
+}
+
+/// A version 6 sidecar marked each relayed row `dequeued_at`; version 7
+/// keeps one cursor per partition. The upgrade stops each partition's
+/// cursor below its first pending row: the pending rows are sent (and a
+/// row relayed after a pending one, out of order, once more: at least
+/// once), nothing relayed before them goes again, and later batches are
+/// relayed past the cursor.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_version_6_outbox_keeps_its_pending_rows_across_the_upgrade() {
+    let url = pg_db("skein_t_contract_v6_outbox").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    let mut expected = None;
+    for i in 0..3u8 {
+        let position = i128::from(i + 1) * 10;
+        let first = 2 * u32::from(i) + 1;
+        sc.commit(&batch(expected, position, pg_lsn(i + 1), first, first))
+            .await
+            .unwrap();
+        expected = Some(position);
+    }
+    // Back to version 6's shape: ids 1 to 4 in partition 2 (3 pending, 4
+    // relayed before it), 5 and 6 moved to partition 1, both relayed.
+    let db = connect(url.expose()).await;
+    db.batch_execute(
+        "DROP VIEW skein.outbox; DROP TABLE skein.relay_cursor;
+         DROP INDEX skein.outbox_partition_id; DROP INDEX skein.outbox_enqueued;
+         ALTER TABLE skein.outbox_row RENAME TO outbox;
+         ALTER TABLE skein.outbox ADD COLUMN dequeued_at timestamptz;
+         CREATE INDEX outbox_pending ON skein.outbox (id) WHERE dequeued_at IS NULL;
+         CREATE INDEX outbox_dequeued ON skein.outbox (dequeued_at) WHERE dequeued_at IS NOT NULL;
+         UPDATE skein.outbox SET partition = 1 WHERE id IN (5, 6);
+         UPDATE skein.outbox SET dequeued_at = now() WHERE id IN (1, 2, 4, 5, 6);
+         DELETE FROM skein.schema_version WHERE version > 6;",
+    )
+    .await
+    .unwrap();
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    assert_eq!(sc.pending().await.unwrap().0, 2);
+    assert_eq!(relay_all(&mut sc).await, vec!["{\"n\":3}", "{\"n\":4}"]);
+    assert_eq!(sc.pending().await.unwrap().0, 0);
+    sc.commit(&batch(Some(30), 40, pg_lsn(4), 7, 7))
+        .await
+        .unwrap();
+    assert_eq!(relay_all(&mut sc).await, vec!["{\"n\":7}", "{\"n\":8}"]);
+    // The rows moved to outbox_row; the outbox is a view that still says
+    // which rows are relayed.
+    let rows: Vec<(i64, bool)> = pairs(
+        &db,
+        "SELECT id, dequeued_at IS NULL FROM skein.outbox ORDER BY id",
+    )
+    .await;
+    assert_eq!(rows, (1..=8).map(|i| (i, false)).collect::<Vec<_>>());
+    let columns: i64 = db
+        .query_one(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'skein' \
+             AND table_name = 'outbox_row' AND column_name = 'dequeued_at'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(columns, 0, "the upgrade drops dequeued_at from the rows");
 }
 
 /// A relay round that took `sink.relay_batch` rows may have left more

@@ -27,19 +27,13 @@ async fn a_version_2_sidecar_is_upgraded_in_place() {
     for _ in 0..2 {
         env.skein_ok(&["sidecar", "migrate"]);
     }
-    let types: Vec<(String, String)> = env
-        .db
-        .query(
-            "SELECT table_name || '.' || column_name, data_type FROM information_schema.columns
-             WHERE table_schema = 'skein' AND column_name IN ('position', 'source_commit', 'lower_position', 'upper_position', 'epoch')
-             ORDER BY 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let types: Vec<(String, String)> = pairs(
+        &env.db,
+        "SELECT table_name || '.' || column_name, data_type FROM information_schema.columns
+         WHERE table_schema = 'skein' AND column_name IN ('position', 'source_commit', 'lower_position', 'upper_position', 'epoch')
+         ORDER BY 1",
+    )
+    .await;
     assert_eq!(
         types,
         vec![

@@ -43,6 +43,20 @@ pub enum Error {
          it resumes after the last key re-checked"
     )]
     Interrupted { partition: u32 },
+    /// A batch drew outbox ids at or below ones its partition already had
+    /// (the outbox's id sequence was reset, or set to cache values): the
+    /// relay, which keeps the last id it sent per partition, would take
+    /// the new rows as sent. Nothing was written.
+    #[error(
+        "partition {partition}: the batch's first outbox id {drawn} is not above the partition's \
+         {floor}; the batch was rolled back. The outbox's id sequence must only grow, one value \
+         at a time per session (no CACHE above 1, no reset): set it past {floor} and restart"
+    )]
+    OutboxOrder {
+        partition: u32,
+        drawn: i64,
+        floor: i64,
+    },
     /// The source's schema changed under the running pipeline in a way the
     /// config cannot follow (a column it names dropped or retyped).
     #[error("{message}\nFix:\n{fix}")]

@@ -37,18 +37,20 @@ impl RelayWake {
 /// Which outbox rows a relay takes.
 #[derive(Clone, Debug, Default)]
 pub enum RelayScope {
-    /// Every partition, skipping rows another relay holds: it takes the
-    /// sidecar's relay lease exclusively, so it relays alone.
+    /// Every partition: it takes the sidecar's relay lease exclusively, so
+    /// it relays alone.
     #[default]
     All,
-    /// Only the partitions this process owns (`skein apply`). Rows are locked
-    /// without skipping, so a relay that takes a partition over waits for
-    /// the previous owner's send to finish and keeps per-aggregate order.
+    /// Only the partitions this process owns (`skein apply`). Their relay
+    /// cursors are locked for a round, so a relay that takes a partition
+    /// over waits for the previous owner's send to finish and keeps
+    /// per-aggregate order.
     Partitions(Arc<Mutex<Vec<i32>>>),
 }
 
 /// Sends at most `limit` pending outbox rows of `scope` in id order and
-/// marks them dequeued in the same transaction, after the sink has them
+/// moves the relay's cursors past them in the same transaction, after the
+/// sink has them
 /// ([`Sidecar::relay_once`]). Returns how many were sent; 0 as well when
 /// the scope owns no partition right now.
 pub async fn relay_once<S: Sidecar>(

@@ -67,7 +67,7 @@ pub const EVENT_LATENCY: &str = "skein_event_latency_seconds";
 pub const OUTBOX_PENDING: &str = "skein_outbox_pending";
 /// Age of the oldest outbox row not yet relayed; 0 when none is.
 pub const OUTBOX_OLDEST_PENDING: &str = "skein_outbox_oldest_pending_seconds";
-/// Events the relay sent to the sink and marked dequeued.
+/// Events the relay sent to the sink and moved its cursor past.
 pub const RELAY_SENT: &str = "skein_relay_sent_total";
 /// Relay attempts that failed (the rows stay pending and are retried).
 pub const RELAY_FAILURES: &str = "skein_relay_failures_total";
@@ -107,7 +107,7 @@ pub fn describe() {
         (EVENTS_PUBLISHED, Count, "Events written to the outbox, by entity and trigger (change, truncate_recheck, explicit)."),
         (EVENTS_UNCHANGED, Count, "Aggregates looked at whose state equals the stored version, so no event, by entity and trigger (change, truncate_recheck, explicit)."),
         (AGGREGATES_COVERED, Count, "Aggregates of change batches an applier did not read again: the source snapshot it last decided them in already saw every change of theirs in the batch, so their published state holds them; by entity."),
-        (RELAY_SENT, Count, "Events the relay sent to the sink and marked dequeued."),
+        (RELAY_SENT, Count, "Events the relay sent to the sink and moved its cursor past."),
         (RELAY_FAILURES, Count, "Relay attempts that failed; the rows stay pending and are retried in order."),
         (REFRESH_FAILURES, Count, "Reads of the pipeline-wide gauges (slot, outbox, Kafka lag, explicit keys) that failed or timed out; those gauges keep their last values."),
         (DEAD_LETTERS, Count, "Records or events set aside: stage=transport for undecodable change records, stage=sink for events the sink rejected."),

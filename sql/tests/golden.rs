@@ -491,6 +491,10 @@ fn sqlserver_sidecar_statements_are_frozen() {
         ),
         ("batch transaction 2: batch row", sc::batch_insert_sql(s)),
         (
+            "batch transaction 3a: the partition's outbox lock and relay cursor",
+            sc::outbox_lock_sql(s),
+        ),
+        (
             "batch transaction 3: two outbox rows",
             sc::outbox_insert_sql(s, 2),
         ),
@@ -510,7 +514,10 @@ fn sqlserver_sidecar_statements_are_frozen() {
             "relay, owned partitions",
             sc::relay_select_sql(s, Some(&[0, 3])),
         ),
-        ("relay: mark dequeued", sc::relay_mark_sql(s, &[41, 42])),
+        (
+            "relay: move the cursors of partitions 0 and 3",
+            sc::relay_mark_sql(s, &[(0, 41), (3, 42)]),
+        ),
         ("relay lease, all partitions", sc::relay_lease_sql(true)),
         ("relay lease, owned partitions", sc::relay_lease_sql(false)),
         ("relay: report its state", sc::relay_report_sql(s)),
@@ -612,6 +619,14 @@ fn postgres_sidecar_statements_are_frozen() {
             sc::fenced_position_sql(s),
         ),
         ("batch transaction 2: batch row", sc::batch_insert_sql(s)),
+        (
+            "batch transaction 3a: the partition's outbox lock ($1 = 'skein.outbox.skein')",
+            sc::outbox_lock_sql().to_string(),
+        ),
+        (
+            "batch transaction 3a: the partition's relay cursor",
+            sc::relay_cursor_ensure_sql(s),
+        ),
         ("batch transaction 3: outbox rows", sc::outbox_insert_sql(s)),
         ("batch transaction 4: versions", sc::versions_upsert_sql(s)),
         ("versions of some keys", sc::versions_sql(s)),
@@ -621,12 +636,11 @@ fn postgres_sidecar_statements_are_frozen() {
             sc::schema_version_sql(s),
         ),
         ("pending outbox", sc::pending_sql(s)),
-        ("relay, all partitions", sc::relay_select_all_sql(s)),
         (
-            "relay, owned partitions",
-            sc::relay_select_partitions_sql(s),
+            "relay, all partitions ($2 null) or owned ones",
+            sc::relay_select_sql(s),
         ),
-        ("relay: mark dequeued", sc::relay_mark_sql(s)),
+        ("relay: move the cursors", sc::relay_mark_sql(s)),
         (
             "relay lease, all partitions ($1 = 'skein.relay.skein')",
             sc::relay_lease_sql(true).to_string(),

@@ -78,6 +78,20 @@ pub async fn connect(url: &str) -> Client {
     c
 }
 
+/// The two columns of every row `sql` returns.
+pub async fn pairs<A, B>(db: &Client, sql: &str) -> Vec<(A, B)>
+where
+    A: for<'a> tokio_postgres::types::FromSql<'a>,
+    B: for<'a> tokio_postgres::types::FromSql<'a>,
+{
+    db.query(sql, &[])
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e:?}"))
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
 /// Panics when a test of this binary already took database `db_name`:
 /// the tests of a binary run at once, and two on one database (and one
 /// slot, one run folder) fail each other at random.

@@ -460,7 +460,8 @@ pub trait Sidecar {
     /// `applier.before_commit` / `applier.after_commit` bracket the commit.
     fn commit(&mut self, batch: &BatchCommit) -> impl Future<Output = Result<i64>> + Send;
 
-    /// Pending (not yet dequeued) outbox rows and the age of the oldest in
+    /// Pending outbox rows (above their partition's relay cursor) and the
+    /// age of the oldest in
     /// milliseconds (0 when none). Read-only.
     fn pending(&mut self) -> impl Future<Output = Result<(i64, i64)>> + Send;
 
@@ -475,18 +476,20 @@ pub trait Sidecar {
     /// One relay step, one transaction: claims at most `limit` pending
     /// outbox rows in id order, hands them to `sink` in that order (inside
     /// [`tokio::task::block_in_place`]: a sink may block on a file sync or a
-    /// broker acknowledgement), marks them dequeued and commits. Returns how
-    /// many were sent; 0 when nothing is pending.
+    /// broker acknowledgement), moves each partition's relay cursor to the
+    /// last row it sent and commits. Returns how many were sent; 0 when
+    /// nothing is pending.
     ///
-    /// `partitions`: `None` takes every partition and skips rows another
-    /// transaction holds (`SKIP LOCKED` / `READPAST`) — the one relay of a
-    /// deployment. `Some(owned)` takes only those partitions and waits for
-    /// held rows instead of skipping them, so a relay that takes a partition
-    /// over sends after the previous owner's send finished and per-aggregate
-    /// order holds; `Some(&[])` claims nothing.
+    /// `partitions`: `None` takes every partition — the one relay of a
+    /// deployment; `Some(owned)` only those. Either locks the cursors it
+    /// takes for the round, so a relay that takes a partition over sends
+    /// after the previous owner's round ended and per-aggregate order
+    /// holds; `Some(&[])` claims nothing. Every row above a cursor is
+    /// pending: [`Sidecar::commit`] draws a partition's outbox ids under
+    /// the partition's outbox lock, so they grow in commit order.
     ///
     /// At least once: when the sink fails, or the process dies after the
-    /// sink has the events but before the mark commits (failpoint
+    /// sink has the events but before the cursor moves (failpoint
     /// `relay.after_send_before_mark`), the rows stay pending and are sent
     /// again with the same event ids. Safe to retry.
     fn relay_once(
@@ -584,6 +587,30 @@ pub struct RelayState {
     pub error_at: Option<String>,
     /// When the state was reported.
     pub updated_at: String,
+}
+
+/// The outbox ids a batch drew must all be above `floor`, the highest its
+/// partition had (rows or cursor), or the relay would take them as sent.
+pub(crate) fn check_outbox_order(partition: u32, drawn: i64, floor: i64) -> Result<()> {
+    if drawn > floor {
+        Ok(())
+    } else {
+        Err(Error::OutboxOrder {
+            partition,
+            drawn,
+            floor,
+        })
+    }
+}
+
+/// Records that a relay round sends outbox row `id` of `partition`: each
+/// partition's cursor moves to the highest id it sent (rows come in id
+/// order, but the rule does not depend on it).
+pub(crate) fn advance_cursor(cursors: &mut Vec<(i32, i64)>, partition: i32, id: i64) {
+    match cursors.iter_mut().find(|(p, _)| *p == partition) {
+        Some((_, last)) => *last = (*last).max(id),
+        None => cursors.push((partition, id)),
+    }
 }
 
 /// Hands the rows a relay step claimed to the sink (which may block: file
@@ -876,5 +903,28 @@ impl Sidecar for AnySidecar {
 
     async fn explicit_run(&mut self, id: i64) -> Result<Option<ExplicitRunStatus>> {
         delegate!(self, s => s.explicit_run(id).await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{advance_cursor, check_outbox_order};
+
+    #[test]
+    fn new_outbox_ids_must_pass_the_partitions_highest() {
+        assert!(check_outbox_order(2, 11, 10).is_ok());
+        assert!(check_outbox_order(2, 1, 0).is_ok());
+        let e = check_outbox_order(2, 10, 10).unwrap_err().to_string();
+        assert!(e.contains("partition 2") && e.contains("10"), "{e}");
+        assert!(check_outbox_order(2, 5, 10).is_err());
+    }
+
+    #[test]
+    fn a_relay_round_moves_each_partition_to_the_last_id_it_sent() {
+        let mut c = vec![];
+        for (p, id) in [(1, 10), (0, 11), (1, 12), (0, 9), (2, 14)] {
+            advance_cursor(&mut c, p, id);
+        }
+        assert_eq!(c, vec![(1, 12), (0, 11), (2, 14)]);
     }
 }

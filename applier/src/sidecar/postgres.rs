@@ -296,6 +296,22 @@ impl Sidecar for PgSidecar {
             .get(&tx, &sc::versions_upsert_sql(s))
             .await
             .map_err(db("upserting versions"))?;
+        let what_lock = "locking the partition's outbox";
+        let what_cursor = "creating the partition's relay cursor";
+        let outbox_lock = statements
+            .get(&tx, sc::outbox_lock_sql())
+            .await
+            .map_err(db(what_lock))?;
+        let cursor_ensure = statements
+            .get(&tx, &sc::relay_cursor_ensure_sql(s))
+            .await
+            .map_err(db(what_cursor))?;
+        let what_floor = "reading the partition's highest outbox id";
+        let outbox_floor = statements
+            .get(&tx, &sc::outbox_floor_sql(s))
+            .await
+            .map_err(db(what_floor))?;
+        let lock_name = sc::outbox_lock_name(s);
         // Statements are pipelined where no answer feeds the next one:
         // tokio-postgres sends each as its future is first polled. Nothing
         // is committed before every answer was read and checked.
@@ -375,7 +391,29 @@ impl Sidecar for PgSidecar {
             .await
             .map_err(db(what_batch))
         };
-        let (moved, batch_row) = tokio::join!(fence, batch_row);
+        // 3a. Before the partition's outbox ids are drawn: its outbox lock
+        // (its ids grow in commit order, see `outbox_lock_sql`), its relay
+        // cursor, so the relay sees these rows once they commit, and the
+        // highest id it has, which every new id must pass.
+        let outbox_ready = async {
+            if b.outbox.is_empty() {
+                return Ok(None);
+            }
+            let (lock_params, partition_param): (
+                [&(dyn tokio_postgres::types::ToSql + Sync); 2],
+                [&(dyn tokio_postgres::types::ToSql + Sync); 1],
+            ) = ([&lock_name, &partition], [&partition]);
+            let (locked, cursor, floor) = tokio::join!(
+                tx.execute(&outbox_lock, &lock_params),
+                tx.execute(&cursor_ensure, &partition_param),
+                tx.query_one(&outbox_floor, &partition_param),
+            );
+            locked.map_err(db(what_lock))?;
+            cursor.map_err(db(what_cursor))?;
+            let floor: Option<i64> = floor.map_err(db(what_floor))?.get(0);
+            Ok::<_, Error>(Some(floor.unwrap_or(0)))
+        };
+        let (moved, batch_row, ready) = tokio::join!(fence, batch_row, outbox_ready);
         if moved? != 1 {
             let found = tx
                 .query_opt(
@@ -399,6 +437,7 @@ impl Sidecar for PgSidecar {
             });
         }
         let batch_id: i64 = batch_row?.get(0);
+        let floor = ready?;
 
         // 3. Outbox rows, in decision order (ids keep per-aggregate order),
         // and 4. versions, in statements of bounded size: one array
@@ -438,21 +477,23 @@ impl Sidecar for PgSidecar {
                 )
             })
             .collect();
-        type Write<'a> =
-            std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64>> + Send + 'a>>;
-        let mut writes: Vec<Write> = vec![];
+        type Write<'a, T> =
+            std::pin::Pin<Box<dyn std::future::Future<Output = Result<T>> + Send + 'a>>;
+        let mut inserts: Vec<Write<Option<i64>>> = vec![];
+        let mut writes: Vec<Write<u64>> = vec![];
         // The futures borrow the transaction; it is committed (moved) below.
         let on = &tx;
         let (outbox_insert, versions_upsert) = (&outbox_insert, &versions_upsert);
         for (ids, entities, keys, etags, events, times) in &outbox {
-            writes.push(Box::pin(async move {
-                on.execute(
+            inserts.push(Box::pin(async move {
+                on.query_one(
                     outbox_insert,
                     &[
                         &batch_id, &partition, ids, entities, keys, etags, events, times,
                     ],
                 )
                 .await
+                .map(|r| r.get(0))
                 .map_err(db("inserting outbox rows"))
             }));
         }
@@ -473,7 +514,15 @@ impl Sidecar for PgSidecar {
                     .map_err(db("taking explicit keys off the queue"))
             }));
         }
-        let written = futures_util::future::try_join_all(writes).await?;
+        let (drawn, written) = futures_util::future::try_join(
+            futures_util::future::try_join_all(inserts),
+            futures_util::future::try_join_all(writes),
+        )
+        .await?;
+        let drawn = drawn.into_iter().flatten().min();
+        if let (Some(drawn), Some(floor)) = (drawn, floor) {
+            super::check_outbox_order(b.partition, drawn, floor)?;
+        }
         if let Some(&taken) = written.get(explicit_at) {
             if taken != b.explicit.len() as u64 {
                 return Err(b.fenced_by_rows());
@@ -521,8 +570,9 @@ impl Sidecar for PgSidecar {
         tx.commit().await.map_err(db("committing the replay"))
     }
 
-    /// `FOR UPDATE SKIP LOCKED` for all partitions, `FOR UPDATE` for owned
-    /// ones (see [`Sidecar::relay_once`]).
+    /// The cursors of the partitions taken are locked for the round (see
+    /// [`Sidecar::relay_once`]); the rows above them are read, sent, and
+    /// each partition's cursor moved to the last one it sent.
     async fn relay_once(
         &mut self,
         limit: i64,
@@ -536,40 +586,45 @@ impl Sidecar for PgSidecar {
         // Prepared once per connection, like the batch's statements: a relay
         // woken by every batch commit runs many small rounds.
         let what = "reading the outbox";
-        let select = match partitions {
-            None => sc::relay_select_all_sql(s),
-            Some(_) => sc::relay_select_partitions_sql(s),
-        };
-        let select = statements.get(&tx, &select).await.map_err(db(what))?;
-        let rows = match partitions {
-            None => tx.query(&select, &[&limit]).await,
-            Some(owned) => tx.query(&select, &[&limit, &owned]).await,
-        }
-        .map_err(db(what))?;
+        let select = statements
+            .get(&tx, &sc::relay_select_sql(s))
+            .await
+            .map_err(db(what))?;
+        let rows = tx
+            .query(&select, &[&limit, &partitions])
+            .await
+            .map_err(db(what))?;
         if rows.is_empty() {
             return Ok(0);
         }
         // `try_get`: a column of another type (a hand-altered outbox) is an
         // error naming the row, not a panic in the relay.
+        let mut cursors: Vec<(i32, i64)> = vec![];
         let events = rows
             .iter()
             .map(|r| {
-                Ok(SinkEvent {
-                    outbox_id: r.try_get(0).map_err(db("reading an outbox row's id"))?,
-                    entity: r.try_get(1).map_err(db("reading an outbox row's entity"))?,
-                    event: r.try_get(2).map_err(db("reading an outbox row's event"))?,
-                })
+                let partition: i32 = r
+                    .try_get(0)
+                    .map_err(db("reading an outbox row's partition"))?;
+                let e = SinkEvent {
+                    outbox_id: r.try_get(1).map_err(db("reading an outbox row's id"))?,
+                    entity: r.try_get(2).map_err(db("reading an outbox row's entity"))?,
+                    event: r.try_get(3).map_err(db("reading an outbox row's event"))?,
+                };
+                super::advance_cursor(&mut cursors, partition, e.outbox_id);
+                Ok(e)
             })
             .collect::<Result<Vec<_>>>()?;
         let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
         super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");
+        let (parts, last): (Vec<i32>, Vec<i64>) = cursors.into_iter().unzip();
         statements
             .execute(
                 &tx,
                 &sc::relay_mark_sql(s),
-                &[&ids],
-                "marking outbox rows dequeued",
+                &[&parts, &last],
+                "moving the relay cursors",
             )
             .await?;
         tx.commit()

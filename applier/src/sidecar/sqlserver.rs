@@ -243,12 +243,39 @@ async fn commit_in_tx(c: &mut MssqlClient, schema: &str, b: &BatchCommit) -> Res
         other => return Err(Error::Data(format!("batch id: {other:?}"))),
     };
 
-    // 3. Outbox rows. Identity values follow the ORDER BY of an
+    // 3. Before the partition's outbox ids are drawn: its outbox lock (its
+    // ids grow in commit order) and its relay cursor.
+    // Every id drawn must pass the highest the partition had.
+    let mut floor = 0;
+    if !b.outbox.is_empty() {
+        let name = format!(
+            "{}.{partition}",
+            skein_sql::postgres::sidecar::outbox_lock_name(schema)
+        );
+        let rows = c
+            .query(
+                "locking the partition's outbox",
+                &sc::outbox_lock_sql(schema),
+                &[&partition, &name.as_str()],
+            )
+            .await?;
+        for v in rows.first().into_iter().flatten() {
+            if let SqlValue::Int(id) = v {
+                floor = floor.max(*id);
+            }
+        }
+    }
+    // Outbox rows. Identity values follow the ORDER BY of an
     // INSERT … SELECT (not the order of a VALUES list), so ids keep
     // per-aggregate order.
     let per = (MAX_PARAMS - 2) / sc::OUTBOX_PARAMS;
+    let mut drawn: Option<i64> = None;
     for (ci, chunk) in b.outbox.chunks(per).enumerate() {
-        insert_outbox(c, schema, batch_id, partition, ci * per, chunk).await?;
+        let first = insert_outbox(c, schema, batch_id, partition, ci * per, chunk).await?;
+        drawn = drawn.into_iter().chain(first).min();
+    }
+    if let Some(drawn) = drawn {
+        super::check_outbox_order(b.partition, drawn, floor)?;
     }
 
     // 4. Versions.
@@ -284,7 +311,7 @@ async fn insert_outbox(
     partition: i32,
     first_ord: usize,
     rows: &[OutboxRow],
-) -> Result<()> {
+) -> Result<Option<i64>> {
     let ords: Vec<i32> = (0..rows.len())
         .map(|i| i32::try_from(first_ord + i).unwrap_or(i32::MAX))
         .collect();
@@ -301,13 +328,21 @@ async fn insert_outbox(
         params.push(&o.event);
         params.push(&o.commit_time_micros);
     }
-    c.execute(
-        "inserting outbox rows",
-        &sc::outbox_insert_sql(schema, rows.len()),
-        &params,
-    )
-    .await?;
-    Ok(())
+    // The ids drawn come back (`OUTPUT`): the smallest is checked.
+    let ids = c
+        .query(
+            "inserting outbox rows",
+            &sc::outbox_insert_sql(schema, rows.len()),
+            &params,
+        )
+        .await?;
+    Ok(ids
+        .iter()
+        .filter_map(|r| match r.first() {
+            Some(SqlValue::Int(id)) => Some(*id),
+            _ => None,
+        })
+        .min())
 }
 
 async fn upsert_versions(c: &mut MssqlClient, schema: &str, rows: &[VersionRow]) -> Result<()> {
@@ -691,9 +726,8 @@ impl Sidecar for MssqlSidecar {
         Ok(tx.commit("committing the replay").await?)
     }
 
-    /// `UPDLOCK, READPAST` is PostgreSQL's `FOR UPDATE SKIP LOCKED`; a
-    /// partition-scoped relay waits instead of skipping, as on PostgreSQL
-    /// (see [`sc::relay_select_sql`]).
+    /// The cursors of the partitions taken are locked for the round (see
+    /// [`sc::relay_select_sql`]); each moves to the last row it sent.
     async fn relay_once(
         &mut self,
         limit: i64,
@@ -714,16 +748,34 @@ impl Sidecar for MssqlSidecar {
             tx.rollback().await;
             return Ok(0);
         }
+        let mut cursors: Vec<(i32, i64)> = vec![];
         let events = rows
             .iter()
-            .map(|r| outbox_event(r))
+            .map(|r| {
+                let e = outbox_event(r)?;
+                match r.get(3) {
+                    Some(SqlValue::Int(p)) => {
+                        let p = i32::try_from(*p).map_err(|_| {
+                            Error::Data(format!("outbox row {}: partition {p}", e.outbox_id))
+                        })?;
+                        super::advance_cursor(&mut cursors, p, e.outbox_id);
+                    }
+                    other => {
+                        return Err(Error::Data(format!(
+                            "outbox row {}: partition {other:?}",
+                            e.outbox_id
+                        )))
+                    }
+                }
+                Ok(e)
+            })
             .collect::<Result<Vec<_>>>()?;
         let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
         super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");
         tx.execute(
-            "marking outbox rows dequeued",
-            &sc::relay_mark_sql(schema, &ids),
+            "moving the relay cursors",
+            &sc::relay_mark_sql(schema, &cursors),
             &[],
         )
         .await?;

@@ -327,7 +327,8 @@ pub struct SidecarConfig {
     /// Schema of the sidecar tables.
     #[serde(default = "default_sidecar_schema")]
     pub schema: String,
-    /// How long a relayed (dequeued) outbox row is kept before the relay
+    /// How long an outbox row is kept after it was written, once relayed
+    /// (at or below its partition's relay cursor), before the relay
     /// deletes it, in bounded chunks; 0 deletes it at the next purge.
     #[serde(default = "default_outbox_retention")]
     pub outbox_retention_secs: u64,

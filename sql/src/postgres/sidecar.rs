@@ -164,15 +164,31 @@ pub fn batch_insert_sql(schema: &str) -> String {
 /// event ids, entities, keys, etags, events (text arrays) and commit times
 /// (µs since the Unix epoch, `int8[]`). Ids follow the arrays' order
 /// (`WITH ORDINALITY … ORDER BY`), so they keep per-aggregate order.
+/// Returns the smallest id drawn (checked against [`outbox_floor_sql`]).
 pub fn outbox_insert_sql(schema: &str) -> String {
     format!(
-        "INSERT INTO {}.\"outbox\" (event_id, batch_id, entity, key, partition, etag, event, commit_time) \
+        "WITH i AS (INSERT INTO {}.\"outbox_row\" (event_id, batch_id, entity, key, partition, etag, event, commit_time) \
          SELECT u.id::uuid, $1, u.entity, u.key, $2, u.etag, u.event, \
                 'epoch'::timestamptz + u.t * interval '1 microsecond' \
          FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) \
               WITH ORDINALITY AS u(id, entity, key, etag, event, t, ord) \
-         ORDER BY u.ord",
+         ORDER BY u.ord RETURNING id) SELECT min(id) FROM i",
         qi(schema)
+    )
+}
+
+/// The highest outbox id partition `$1` holds or its relay cursor names
+/// (null when neither exists), read under the partition's outbox lock:
+/// every id the batch draws must be above it, or the relay would take the
+/// new rows as sent (a sequence reset or set to cache values). The row
+/// comparisons keep the scan on the partition's end of
+/// `outbox_partition_id`.
+pub fn outbox_floor_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "SELECT greatest((SELECT id FROM {s}.\"outbox_row\" WHERE (partition, id) >= ($1, 0) \
+         AND (partition, id) <= ($1, 9223372036854775807) ORDER BY partition DESC, id DESC LIMIT 1), \
+         (SELECT last_id FROM {s}.\"relay_cursor\" WHERE partition = $1))"
     )
 }
 
@@ -188,35 +204,69 @@ pub fn versions_upsert_sql(schema: &str) -> String {
     )
 }
 
-/// Pending outbox rows and the age of the oldest (ms), both `int8`.
+/// The rows of cursor `c`'s partition above it, as conditions on
+/// `outbox_row`: row comparisons, so the planner reads them from the
+/// partition's range of `outbox_partition_id`. With `partition = …` and
+/// `id > …` it walks the primary key from the cursor on, through every
+/// partition's rows: for an idle partition, all the outbox since.
+const ABOVE_CURSOR: &str = "(partition, id) > (c.partition, c.last_id) \
+     AND (partition, id) <= (c.partition, 9223372036854775807)";
+
+/// Pending outbox rows (above their partition's relay cursor) and the age
+/// of the oldest (ms), both `int8`. Each cursor's rows are read by index
+/// (`OFFSET 0`: not planned as one join of the whole table).
 pub fn pending_sql(schema: &str) -> String {
+    let s = qi(schema);
     format!(
-        "SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 \
-         FROM {}.\"outbox\" WHERE dequeued_at IS NULL",
-        qi(schema)
+        "SELECT count(*), coalesce(extract(epoch FROM now() - min(o.enqueued_at)) * 1000, 0)::int8 \
+         FROM {s}.\"relay_cursor\" c CROSS JOIN LATERAL (SELECT enqueued_at FROM {s}.\"outbox_row\" \
+         WHERE {ABOVE_CURSOR} OFFSET 0) o"
     )
 }
 
-/// At most `$1` pending rows for the one relay of every partition, in id
-/// order, skipping rows another transaction holds (`FOR UPDATE SKIP LOCKED`).
-/// Columns: id, entity, event.
-pub fn relay_select_all_sql(schema: &str) -> String {
+/// The name of the lock a batch transaction takes before it writes outbox
+/// rows of a partition (`$1` of [`outbox_lock_sql`]).
+pub fn outbox_lock_name(schema: &str) -> String {
+    format!("skein.outbox.{schema}")
+}
+
+/// Locks outbox partition `$2` (under the name `$1`,
+/// [`outbox_lock_name`]) until the transaction ends. Its outbox ids are
+/// drawn under the lock, so a partition's ids grow in commit order: what
+/// lets the relay keep one cursor per partition. (A pipeline's own batches
+/// of a partition are already serialised by its progress row; the lock
+/// covers writers of other groups or topics sharing the outbox.)
+pub fn outbox_lock_sql() -> &'static str {
+    "SELECT pg_advisory_xact_lock(hashtext($1), $2)"
+}
+
+/// Creates the relay cursor of partition `$1` if it has none, before the
+/// partition's first outbox rows commit (in the same transaction, under
+/// the partition's outbox lock, so no other writer races it). A plain
+/// read, not `ON CONFLICT`: it never waits for a relay's cursor update.
+pub fn relay_cursor_ensure_sql(schema: &str) -> String {
+    let s = qi(schema);
     format!(
-        "SELECT id, entity, event FROM {}.\"outbox\" WHERE dequeued_at IS NULL \
-         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
-        qi(schema)
+        "INSERT INTO {s}.\"relay_cursor\" (partition, last_id) SELECT $1, 0 \
+         WHERE NOT EXISTS (SELECT 1 FROM {s}.\"relay_cursor\" WHERE partition = $1)"
     )
 }
 
-/// At most `$1` pending rows of the partitions in the array `$2` (a relay
-/// inside `skein apply`), in id order. `FOR UPDATE` without `SKIP LOCKED`:
-/// it waits for rows a previous owner still holds, keeping per-aggregate
-/// order across a partition hand-over. Columns: id, entity, event.
-pub fn relay_select_partitions_sql(schema: &str) -> String {
+/// At most `$1` pending rows of every partition (`$2` null) or of the
+/// partitions in the array `$2`, in id order, with the cursors of those
+/// partitions locked (`FOR UPDATE`): a relay that takes a partition over
+/// waits for the previous owner's round to end, keeping per-aggregate
+/// order. A partition's rows above its cursor, taken in id order, are a
+/// prefix of what it has pending. Columns: partition, id, entity, event.
+pub fn relay_select_sql(schema: &str) -> String {
+    let s = qi(schema);
     format!(
-        "SELECT id, entity, event FROM {}.\"outbox\" WHERE dequeued_at IS NULL \
-         AND partition = ANY($2) ORDER BY id LIMIT $1 FOR UPDATE",
-        qi(schema)
+        "WITH c AS (SELECT partition, last_id FROM {s}.\"relay_cursor\" \
+         WHERE $2::int4[] IS NULL OR partition = ANY($2) FOR UPDATE) \
+         SELECT o.partition, o.id, o.entity, o.event FROM c CROSS JOIN LATERAL \
+         (SELECT partition, id, entity, event FROM {s}.\"outbox_row\" \
+         WHERE {ABOVE_CURSOR} ORDER BY partition, id LIMIT $1) o \
+         ORDER BY o.id LIMIT $1"
     )
 }
 
@@ -228,8 +278,8 @@ pub fn relay_lease_name(schema: &str) -> String {
 
 /// Takes the relay lease `$1` ([`relay_lease_name`]) for this session if
 /// free: a session advisory lock, exclusive for the relay of every
-/// partition (it skips locked rows, so it must be alone), shared for the
-/// relays of owned partitions (they wait on each other's rows). Returns
+/// partition (it takes every cursor, so it relays alone), shared for the
+/// relays of owned partitions (they wait on each other's cursors). Returns
 /// whether it was granted; it is held until the session ends.
 pub fn relay_lease_sql(exclusive: bool) -> &'static str {
     if exclusive {
@@ -273,10 +323,13 @@ pub fn relay_states_sql(schema: &str) -> String {
     )
 }
 
-/// Marks the relayed rows (ids in the array `$1`) dequeued.
+/// Moves the relay cursors of the partitions in the array `$1` to the ids
+/// in the array `$2` (the last row each sent): one row per partition, not
+/// one per event.
 pub fn relay_mark_sql(schema: &str) -> String {
     format!(
-        "UPDATE {}.\"outbox\" SET dequeued_at = clock_timestamp() WHERE id = ANY($1)",
+        "UPDATE {}.\"relay_cursor\" c SET last_id = u.last_id, updated_at = now() \
+         FROM unnest($1::int4[], $2::int8[]) AS u(partition, last_id) WHERE c.partition = u.partition",
         qi(schema)
     )
 }
@@ -493,13 +546,15 @@ pub fn identifiers_move_sql(schema: &str) -> [String; 2] {
     ]
 }
 
-/// Deletes at most `$2` outbox rows relayed more than `$1` seconds ago
-/// (a chunk of the retention purge), skipping rows another transaction
-/// holds; returns how many it deleted.
+/// Deletes at most `$2` relayed outbox rows (at or below their partition's
+/// cursor) written more than `$1` seconds ago (a chunk of the retention
+/// purge), skipping rows another transaction holds; returns how many it
+/// deleted.
 pub fn purge_outbox_sql(schema: &str) -> String {
     let s = qi(schema);
     format!(
-        "DELETE FROM {s}.\"outbox\" WHERE id IN (SELECT id FROM {s}.\"outbox\" \
-         WHERE dequeued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        "DELETE FROM {s}.\"outbox_row\" WHERE id IN (SELECT o.id FROM {s}.\"outbox_row\" o \
+         JOIN {s}.\"relay_cursor\" c ON c.partition = o.partition AND o.id <= c.last_id \
+         WHERE o.enqueued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE OF o SKIP LOCKED)"
     )
 }

@@ -721,8 +721,16 @@ pub fn sidecar_ddl(schema: &str) -> String {
          PRIMARY KEY ([entity], [key])",
     );
     out += "\n";
+    let _ = write!(
+        out,
+        "-- Version 7: the outbox's rows live in outbox_row; [outbox] is a view of\n\
+         -- them with dequeued_at derived from the relay's cursors (below).\n\
+         IF OBJECT_ID({o}, N'U') IS NOT NULL\n    \
+         EXEC sp_rename {o}, N'outbox_row';\n",
+        o = ql(&format!("{s}.[outbox]")),
+    );
     out += &table(
-        "outbox",
+        "outbox_row",
         &format!(
             "  [id]          bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,\n  \
              [event_id]    uniqueidentifier NOT NULL UNIQUE,\n  \
@@ -733,17 +741,14 @@ pub fn sidecar_ddl(schema: &str) -> String {
              [etag]        char(64)      NULL,\n  \
              [event]       nvarchar(max) NOT NULL,\n  \
              [commit_time] datetime2(6)  NOT NULL,\n  \
-             [enqueued_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),\n  \
-             [dequeued_at] datetime2(6)  NULL"
+             [enqueued_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()"
         ),
     );
     let _ = write!(
         out,
-        "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND object_id = OBJECT_ID({o}))\n    \
-         CREATE INDEX [outbox_pending] ON {s}.[outbox] ([id]) WHERE [dequeued_at] IS NULL;\n\
-         IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID({o}))\n    \
-         CREATE INDEX [outbox_entity_key] ON {s}.[outbox] ([entity], [key], [id]);\n",
-        o = ql(&format!("{s}.[outbox]")),
+        "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID({o}))\n    \
+         CREATE INDEX [outbox_entity_key] ON {s}.[outbox_row] ([entity], [key], [id]);\n",
+        o = ql(&format!("{s}.[outbox_row]")),
     );
     out += "\n-- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A\n\
             -- run selects root keys of an entity and queues them a chunk per transaction,\n\
@@ -783,13 +788,65 @@ pub fn sidecar_ddl(schema: &str) -> String {
         "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition' AND object_id = OBJECT_ID({q}))\n    \
          CREATE INDEX [explicit_queue_partition] ON {s}.[explicit_queue] ([group_name], [topic], [partition], [id]);\n\
          IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID({q}))\n    \
-         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n\n\
-         -- Version 6: relayed outbox rows are deleted after\n\
-         -- `sidecar.outbox_retention_secs`, a chunk at a time, by the relay.\n\
-         IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_dequeued' AND object_id = OBJECT_ID({o}))\n    \
-         CREATE INDEX [outbox_dequeued] ON {s}.[outbox] ([dequeued_at]) WHERE [dequeued_at] IS NOT NULL;\n",
+         CREATE INDEX [explicit_queue_run] ON {s}.[explicit_queue] ([run_id]);\n",
         q = ql(&format!("{s}.[explicit_queue]")),
-        o = ql(&format!("{s}.[outbox]")),
+    );
+    out += "\n-- Version 7: the relay keeps one cursor per outbox partition, the last id\n\
+            -- it sent, instead of rewriting every row it sends (versions 1 to 6 set\n\
+            -- outbox.dequeued_at). A partition's ids grow in commit order (its batch\n\
+            -- transactions take the partition's outbox lock before they write), so\n\
+            -- every row above the cursor is pending and none below it is. Relayed\n\
+            -- rows are deleted after `sidecar.outbox_retention_secs`, a chunk at a\n\
+            -- time, by the relay.\n";
+    out += &table(
+        "relay_cursor",
+        "  [partition]  int          NOT NULL PRIMARY KEY,\n  \
+         [last_id]    bigint       NOT NULL,\n  \
+         [updated_at] datetime2(6) NOT NULL DEFAULT SYSUTCDATETIME()",
+    );
+    // The statements that name dequeued_at run as dynamic SQL: compiled
+    // only where the column exists.
+    let from_v6 = format!(
+        "INSERT INTO {s}.[relay_cursor] ([partition], [last_id]) \
+         SELECT [partition], COALESCE(MIN(CASE WHEN [dequeued_at] IS NULL THEN [id] END) - 1, MAX([id])) \
+         FROM {s}.[outbox_row] GROUP BY [partition]; \
+         IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND object_id = OBJECT_ID({o})) \
+         DROP INDEX [outbox_pending] ON {s}.[outbox_row]; \
+         IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_dequeued' AND object_id = OBJECT_ID({o})) \
+         DROP INDEX [outbox_dequeued] ON {s}.[outbox_row]; \
+         ALTER TABLE {s}.[outbox_row] DROP COLUMN [dequeued_at];",
+        o = ql(&format!("{s}.[outbox_row]")),
+    );
+    let view = format!(
+        "CREATE VIEW {s}.[outbox] AS \
+         SELECT {cols}, CAST(NULL AS datetime2(6)) AS [dequeued_at] FROM {s}.[relay_cursor] c \
+         JOIN {s}.[outbox_row] o ON o.[partition] = c.[partition] AND o.[id] > c.[last_id] \
+         UNION ALL \
+         SELECT {cols}, c.[updated_at] FROM {s}.[relay_cursor] c \
+         JOIN {s}.[outbox_row] o ON o.[partition] = c.[partition] AND o.[id] <= c.[last_id]",
+        cols = "o.[id], o.[event_id], o.[batch_id], o.[entity], o.[key], o.[partition], o.[etag], \
+                o.[event], o.[commit_time], o.[enqueued_at]"
+    );
+    let _ = write!(
+        out,
+        "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_partition_id' AND object_id = OBJECT_ID({o}))\n    \
+         CREATE INDEX [outbox_partition_id] ON {s}.[outbox_row] ([partition], [id]);\n\
+         IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_enqueued' AND object_id = OBJECT_ID({o}))\n    \
+         CREATE INDEX [outbox_enqueued] ON {s}.[outbox_row] ([enqueued_at]);\n\
+         -- From version 6: each partition's cursor stops below its first pending\n\
+         -- row (a row relayed above it, out of order, is sent once more: at least\n\
+         -- once, as after a crash), then dequeued_at goes.\n\
+         IF COL_LENGTH({o}, N'dequeued_at') IS NOT NULL\n    \
+         EXEC({from_v6});\n\
+         -- The outbox as versions 1 to 6 had it, for readers: dequeued_at is null\n\
+         -- above the partition's cursor, and below it the time the cursor last\n\
+         -- moved (at or after the row was sent).\n\
+         IF OBJECT_ID({v}, N'V') IS NULL\n    \
+         EXEC({view});\n",
+        o = ql(&format!("{s}.[outbox_row]")),
+        v = ql(&format!("{s}.[outbox]")),
+        from_v6 = ql(&from_v6),
+        view = ql(&view),
     );
     out += "\n-- Version 6: global identifiers (`identifier_mapping: true`), nTangle's\n\
             -- IdentifierMapping. Written in the batch transaction of an aggregate's\n\

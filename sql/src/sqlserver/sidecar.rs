@@ -168,8 +168,8 @@ pub fn outbox_insert_sql(schema: &str, rows: usize) -> String {
         })
         .collect();
     format!(
-        "INSERT INTO {}.[outbox] ([event_id], [batch_id], [entity], [key], [partition], [etag], \
-         [event], [commit_time]) \
+        "INSERT INTO {}.[outbox_row] ([event_id], [batch_id], [entity], [key], [partition], [etag], \
+         [event], [commit_time]) OUTPUT INSERTED.[id] \
          SELECT CAST(v.id AS uniqueidentifier), @P1, v.entity, v.[key], @P2, v.etag, v.event, \
          DATEADD(microsecond, CAST(v.t % 1000000 AS int), \
          DATEADD(second, CAST((v.t / 1000000) % 86400 AS int), \
@@ -234,36 +234,61 @@ pub fn published_keys_sql(schema: &str) -> String {
     )
 }
 
-/// Pending outbox rows and the age of the oldest (ms).
+/// Pending outbox rows (above their partition's relay cursor) and the age
+/// of the oldest (ms).
 pub fn pending_sql(schema: &str) -> String {
+    let s = qi(schema);
     format!(
         "SELECT CAST(COUNT(*) AS bigint), \
-         COALESCE(DATEDIFF_BIG(millisecond, MIN([enqueued_at]), SYSUTCDATETIME()), 0) \
-         FROM {}.[outbox] WHERE [dequeued_at] IS NULL",
-        qi(schema)
+         COALESCE(DATEDIFF_BIG(millisecond, MIN(o.[enqueued_at]), SYSUTCDATETIME()), 0) \
+         FROM {s}.[relay_cursor] c JOIN {s}.[outbox_row] o \
+         ON o.[partition] = c.[partition] AND o.[id] > c.[last_id]"
     )
 }
 
-/// At most `@P1` pending rows for the relay, in id order. Without
-/// `partitions` (one relay for all): `UPDLOCK, READPAST`, PostgreSQL's
-/// `FOR UPDATE SKIP LOCKED`. With them (a relay inside `skein apply`):
-/// waits for rows another relay holds instead of skipping, keeping
-/// per-aggregate order across a partition hand-over.
+/// Locks outbox partition `@P1` of the schema until the transaction ends
+/// (an application lock named as the PostgreSQL dialect's
+/// `outbox_lock_name` plus `.` and the partition): its outbox ids are drawn
+/// under it, so a partition's ids grow in commit order, and creates the
+/// partition's relay cursor if it has none (see the PostgreSQL dialect's
+/// `outbox_lock_sql` and `relay_cursor_ensure_sql`). `@P2` is the lock's
+/// name. Returns the highest id the partition holds and its cursor's
+/// (nulls when none): every id the batch draws must be above both (see
+/// the PostgreSQL dialect's `outbox_floor_sql`).
+pub fn outbox_lock_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P2, @LockMode = 'Exclusive', \
+         @LockOwner = 'Transaction'; \
+         IF @r < 0 THROW 50000, N'the partition''s outbox lock was not granted', 1; \
+         IF NOT EXISTS (SELECT 1 FROM {s}.[relay_cursor] WHERE [partition] = @P1) \
+         INSERT INTO {s}.[relay_cursor] ([partition], [last_id]) VALUES (@P1, 0); \
+         SELECT (SELECT MAX([id]) FROM {s}.[outbox_row] WHERE [partition] = @P1), \
+         (SELECT [last_id] FROM {s}.[relay_cursor] WHERE [partition] = @P1);"
+    )
+}
+
+/// At most `@P1` pending rows of every partition, or of `partitions` (a
+/// relay inside `skein apply`), in id order, with the cursors of those
+/// partitions locked (`UPDLOCK`): a relay that takes a partition over
+/// waits for the previous owner's round to end, keeping per-aggregate
+/// order. No `READPAST`: a row skipped while its partition's cursor moves
+/// past it would never be sent. Columns: id, entity, event, partition.
 pub fn relay_select_sql(schema: &str, partitions: Option<&[i32]>) -> String {
-    let (hint, filter) = match partitions {
-        None => ("UPDLOCK, READPAST, ROWLOCK", String::new()),
+    let s = qi(schema);
+    let filter = match partitions {
+        None => String::new(),
         Some(ps) => {
             let list: Vec<String> = ps.iter().map(i32::to_string).collect();
-            (
-                "UPDLOCK, ROWLOCK",
-                format!(" AND [partition] IN ({})", list.join(", ")),
-            )
+            format!(" WHERE c.[partition] IN ({})", list.join(", "))
         }
     };
     format!(
-        "SELECT TOP (@P1) [id], [entity], [event] FROM {}.[outbox] WITH ({hint}) \
-         WHERE [dequeued_at] IS NULL{filter} ORDER BY [id]",
-        qi(schema)
+        "SELECT TOP (@P1) o.[id], o.[entity], o.[event], o.[partition] \
+         FROM {s}.[relay_cursor] c WITH (UPDLOCK, ROWLOCK) CROSS APPLY \
+         (SELECT TOP (@P1) [id], [entity], [event], [partition] FROM {s}.[outbox_row] \
+         WHERE [partition] = c.[partition] AND [id] > c.[last_id] ORDER BY [id]) o{filter} \
+         ORDER BY o.[id]"
     )
 }
 
@@ -304,11 +329,18 @@ pub fn relay_lease_sql(exclusive: bool) -> String {
     )
 }
 
-/// Marks relayed rows dequeued (ids are numbers read from the outbox).
-pub fn relay_mark_sql(schema: &str, ids: &[i64]) -> String {
-    let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+/// Moves the relay cursors of a round's partitions to the last id each
+/// sent (`(partition, id)` numbers read from the outbox): one row per
+/// partition, not one per event.
+pub fn relay_mark_sql(schema: &str, cursors: &[(i32, i64)]) -> String {
+    let list: Vec<String> = cursors
+        .iter()
+        .map(|(p, id)| format!("({p}, {id})"))
+        .collect();
     format!(
-        "UPDATE {}.[outbox] SET [dequeued_at] = SYSUTCDATETIME() WHERE [id] IN ({})",
+        "UPDATE c SET [last_id] = v.[last_id], [updated_at] = SYSUTCDATETIME() \
+         FROM {}.[relay_cursor] c JOIN (VALUES {}) AS v([partition], [last_id]) \
+         ON c.[partition] = v.[partition]",
         qi(schema),
         list.join(", ")
     )
@@ -541,13 +573,14 @@ pub fn identifiers_move_sql(schema: &str) -> [String; 2] {
     ]
 }
 
-/// Deletes at most `@P2` outbox rows relayed more than `@P1` seconds ago
-/// (a chunk of the retention purge), skipping rows another transaction
-/// holds (`READPAST`).
+/// Deletes at most `@P2` relayed outbox rows (at or below their
+/// partition's cursor) written more than `@P1` seconds ago (a chunk of the
+/// retention purge), skipping rows another transaction holds (`READPAST`).
 pub fn purge_outbox_sql(schema: &str) -> String {
+    let s = qi(schema);
     format!(
-        "DELETE TOP (@P2) FROM {}.[outbox] WITH (READPAST) \
-         WHERE [dequeued_at] < DATEADD(second, -@P1, SYSUTCDATETIME())",
-        qi(schema)
+        "DELETE TOP (@P2) o FROM {s}.[outbox_row] o WITH (READPAST) \
+         JOIN {s}.[relay_cursor] c ON c.[partition] = o.[partition] AND o.[id] <= c.[last_id] \
+         WHERE o.[enqueued_at] < DATEADD(second, -@P1, SYSUTCDATETIME())"
     )
 }

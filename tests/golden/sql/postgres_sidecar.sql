@@ -1,4 +1,4 @@
--- skein sidecar schema, version 6.
+-- skein sidecar schema, version 7.
 CREATE SCHEMA IF NOT EXISTS "skein";
 
 CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
@@ -99,7 +99,16 @@ CREATE TABLE IF NOT EXISTS "skein"."version" (
   PRIMARY KEY ("entity", "key")
 );
 
-CREATE TABLE IF NOT EXISTS "skein"."outbox" (
+-- Version 7: the outbox's rows live in outbox_row; "outbox" is a view of
+-- them with dequeued_at derived from the relay's cursors (below).
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'skein' AND c.relname = 'outbox' AND c.relkind = 'r') THEN
+    ALTER TABLE "skein"."outbox" RENAME TO "outbox_row";
+  END IF;
+END $$;
+CREATE TABLE IF NOT EXISTS "skein"."outbox_row" (
   "id"          bigserial   PRIMARY KEY,
   "event_id"    uuid        NOT NULL UNIQUE,
   "batch_id"    bigint      NOT NULL REFERENCES "skein"."batch" ("id"),
@@ -109,11 +118,9 @@ CREATE TABLE IF NOT EXISTS "skein"."outbox" (
   "etag"        text,
   "event"       text        NOT NULL,
   "commit_time" timestamptz NOT NULL,
-  "enqueued_at" timestamptz NOT NULL DEFAULT clock_timestamp(),
-  "dequeued_at" timestamptz
+  "enqueued_at" timestamptz NOT NULL DEFAULT clock_timestamp()
 );
-CREATE INDEX IF NOT EXISTS "outbox_pending" ON "skein"."outbox" ("id") WHERE "dequeued_at" IS NULL;
-CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox" ("entity", "key", "id");
+CREATE INDEX IF NOT EXISTS "outbox_entity_key" ON "skein"."outbox_row" ("entity", "key", "id");
 
 -- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A
 -- run selects root keys of an entity and queues them a chunk per transaction,
@@ -147,9 +154,53 @@ CREATE TABLE IF NOT EXISTS "skein"."explicit_queue" (
 CREATE INDEX IF NOT EXISTS "explicit_queue_partition" ON "skein"."explicit_queue" ("group_name", "topic", "partition", "id");
 CREATE INDEX IF NOT EXISTS "explicit_queue_run" ON "skein"."explicit_queue" ("run_id");
 
--- Version 6: relayed outbox rows are deleted after
+-- Version 7: the relay keeps one cursor per outbox partition, the last id
+-- it sent, instead of rewriting every row it sends (versions 1 to 6 set
+-- outbox.dequeued_at: a new row version and four index entries per event).
+-- A partition's ids grow in commit order (its batch transactions take the
+-- partition's outbox lock before they write), so every row above the
+-- cursor is pending and none below it is. Relayed rows are deleted after
 -- `sidecar.outbox_retention_secs`, a chunk at a time, by the relay.
-CREATE INDEX IF NOT EXISTS "outbox_dequeued" ON "skein"."outbox" ("dequeued_at") WHERE "dequeued_at" IS NOT NULL;
+CREATE TABLE IF NOT EXISTS "skein"."relay_cursor" (
+  "partition"  integer     PRIMARY KEY,
+  "last_id"    bigint      NOT NULL,
+  "updated_at" timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS "outbox_partition_id" ON "skein"."outbox_row" ("partition", "id");
+CREATE INDEX IF NOT EXISTS "outbox_enqueued" ON "skein"."outbox_row" ("enqueued_at");
+-- From version 6: each partition's cursor stops below its first pending
+-- row (a row relayed above it, out of order, is sent once more: at least
+-- once, as after a crash), then dequeued_at goes.
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'skein'
+             AND table_name = 'outbox_row' AND column_name = 'dequeued_at') THEN
+    INSERT INTO "skein"."relay_cursor" ("partition", "last_id")
+      SELECT "partition", coalesce(min("id") FILTER (WHERE "dequeued_at" IS NULL) - 1, max("id"))
+      FROM "skein"."outbox_row" GROUP BY "partition"
+      ON CONFLICT DO NOTHING;
+    DROP INDEX IF EXISTS "skein"."outbox_pending";
+    DROP INDEX IF EXISTS "skein"."outbox_dequeued";
+    ALTER TABLE "skein"."outbox_row" DROP COLUMN "dequeued_at";
+  END IF;
+END $$;
+-- The outbox as versions 1 to 6 had it, for readers: dequeued_at is null
+-- above the partition's cursor, and below it the time the cursor last
+-- moved (at or after the row was sent). `WHERE dequeued_at IS NULL` reads
+-- only the rows above the cursors, by index (`OFFSET 0` keeps the planner
+-- from joining the whole table to the cursors).
+CREATE OR REPLACE VIEW "skein"."outbox" AS
+  SELECT o."id", o."event_id", o."batch_id", o."entity", o."key", o."partition", o."etag",
+         o."event", o."commit_time", o."enqueued_at", NULL::timestamptz AS "dequeued_at"
+  FROM "skein"."relay_cursor" c CROSS JOIN LATERAL
+    (SELECT * FROM "skein"."outbox_row"
+     WHERE ("partition", "id") > (c."partition", c."last_id")
+       AND ("partition", "id") <= (c."partition", 9223372036854775807) OFFSET 0) o
+  UNION ALL
+  SELECT o."id", o."event_id", o."batch_id", o."entity", o."key", o."partition", o."etag",
+         o."event", o."commit_time", o."enqueued_at", c."updated_at"
+  FROM "skein"."relay_cursor" c JOIN "skein"."outbox_row" o
+    ON o."partition" = c."partition" AND o."id" <= c."last_id";
 
 -- Version 6: global identifiers (`identifier_mapping: true`), nTangle's
 -- IdentifierMapping. Written in the batch transaction of an aggregate's
@@ -164,4 +215,4 @@ CREATE TABLE IF NOT EXISTS "skein"."identifier_mapping" (
   UNIQUE ("entity", "global_id")
 );
 
-INSERT INTO "skein"."schema_version" ("version") VALUES (6) ON CONFLICT DO NOTHING;
+INSERT INTO "skein"."schema_version" ("version") VALUES (7) ON CONFLICT DO NOTHING;

@@ -35,8 +35,14 @@ SELECT position::text, epoch FROM "skein"."progress" WHERE group_name = $1 AND t
 -- batch transaction 2: batch row
 INSERT INTO "skein"."batch" (correlation_id, group_name, topic, partition, lower_position, upper_position, record_count, entity_count, event_count, has_data_loss, dead_letters) VALUES ($1::text::uuid, $2, $3, $4, $5::text::numeric, $6::text::numeric, $7, $8, $9, $10, $11) RETURNING id;
 
+-- batch transaction 3a: the partition's outbox lock ($1 = 'skein.outbox.skein')
+SELECT pg_advisory_xact_lock(hashtext($1), $2);
+
+-- batch transaction 3a: the partition's relay cursor
+INSERT INTO "skein"."relay_cursor" (partition, last_id) SELECT $1, 0 WHERE NOT EXISTS (SELECT 1 FROM "skein"."relay_cursor" WHERE partition = $1);
+
 -- batch transaction 3: outbox rows
-INSERT INTO "skein"."outbox" (event_id, batch_id, entity, key, partition, etag, event, commit_time) SELECT u.id::uuid, $1, u.entity, u.key, $2, u.etag, u.event, 'epoch'::timestamptz + u.t * interval '1 microsecond' FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) WITH ORDINALITY AS u(id, entity, key, etag, event, t, ord) ORDER BY u.ord;
+WITH i AS (INSERT INTO "skein"."outbox_row" (event_id, batch_id, entity, key, partition, etag, event, commit_time) SELECT u.id::uuid, $1, u.entity, u.key, $2, u.etag, u.event, 'epoch'::timestamptz + u.t * interval '1 microsecond' FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) WITH ORDINALITY AS u(id, entity, key, etag, event, t, ord) ORDER BY u.ord RETURNING id) SELECT min(id) FROM i;
 
 -- batch transaction 4: versions
 INSERT INTO "skein"."version" (entity, key, etag, is_deleted) SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[]) ON CONFLICT (entity, key) DO UPDATE SET etag = EXCLUDED.etag, is_deleted = EXCLUDED.is_deleted, updated_at = now();
@@ -51,16 +57,13 @@ SELECT key FROM "skein"."version" WHERE entity = $1 AND NOT is_deleted AND ($2::
 SELECT max(version) FROM "skein"."schema_version";
 
 -- pending outbox
-SELECT count(*), coalesce(extract(epoch FROM now() - min(enqueued_at)) * 1000, 0)::int8 FROM "skein"."outbox" WHERE dequeued_at IS NULL;
+SELECT count(*), coalesce(extract(epoch FROM now() - min(o.enqueued_at)) * 1000, 0)::int8 FROM "skein"."relay_cursor" c CROSS JOIN LATERAL (SELECT enqueued_at FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) OFFSET 0) o;
 
--- relay, all partitions
-SELECT id, entity, event FROM "skein"."outbox" WHERE dequeued_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED;
+-- relay, all partitions ($2 null) or owned ones
+WITH c AS (SELECT partition, last_id FROM "skein"."relay_cursor" WHERE $2::int4[] IS NULL OR partition = ANY($2) FOR UPDATE) SELECT o.partition, o.id, o.entity, o.event FROM c CROSS JOIN LATERAL (SELECT partition, id, entity, event FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT $1) o ORDER BY o.id LIMIT $1;
 
--- relay, owned partitions
-SELECT id, entity, event FROM "skein"."outbox" WHERE dequeued_at IS NULL AND partition = ANY($2) ORDER BY id LIMIT $1 FOR UPDATE;
-
--- relay: mark dequeued
-UPDATE "skein"."outbox" SET dequeued_at = clock_timestamp() WHERE id = ANY($1);
+-- relay: move the cursors
+UPDATE "skein"."relay_cursor" c SET last_id = u.last_id, updated_at = now() FROM unnest($1::int4[], $2::int8[]) AS u(partition, last_id) WHERE c.partition = u.partition;
 
 -- relay lease, all partitions ($1 = 'skein.relay.skein')
 SELECT pg_try_advisory_lock(hashtext($1));
@@ -117,7 +120,7 @@ SELECT r.id, r.entity, r.selection, r.republish, r.initial, r.state, r."cursor",
 SELECT m.key, m.global_id FROM unnest($2::text[]) AS k(key) CROSS JOIN LATERAL (SELECT key, global_id FROM "skein"."identifier_mapping" WHERE entity = $1 AND key = k.key OFFSET 0) m;
 
 -- relay: purge relayed rows past their retention
-DELETE FROM "skein"."outbox" WHERE id IN (SELECT id FROM "skein"."outbox" WHERE dequeued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE SKIP LOCKED);
+DELETE FROM "skein"."outbox_row" WHERE id IN (SELECT o.id FROM "skein"."outbox_row" o JOIN "skein"."relay_cursor" c ON c.partition = o.partition AND o.id <= c.last_id WHERE o.enqueued_at < now() - $1 * interval '1 second' LIMIT $2 FOR UPDATE OF o SKIP LOCKED);
 
 -- new global identifiers, before the batch transaction
 INSERT INTO "skein"."identifier_mapping" (entity, key, global_id) SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) ORDER BY 1, 2 ON CONFLICT DO NOTHING;

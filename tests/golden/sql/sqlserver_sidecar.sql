@@ -1,4 +1,4 @@
--- skein sidecar schema (T-SQL), version 6.
+-- skein sidecar schema (T-SQL), version 7.
 IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
 
 IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
@@ -74,8 +74,12 @@ CREATE TABLE [skein].[version] (
   PRIMARY KEY ([entity], [key])
 );
 
-IF OBJECT_ID(N'[skein].[outbox]', N'U') IS NULL
-CREATE TABLE [skein].[outbox] (
+-- Version 7: the outbox's rows live in outbox_row; [outbox] is a view of
+-- them with dequeued_at derived from the relay's cursors (below).
+IF OBJECT_ID(N'[skein].[outbox]', N'U') IS NOT NULL
+    EXEC sp_rename N'[skein].[outbox]', N'outbox_row';
+IF OBJECT_ID(N'[skein].[outbox_row]', N'U') IS NULL
+CREATE TABLE [skein].[outbox_row] (
   [id]          bigint IDENTITY(1,1) NOT NULL PRIMARY KEY,
   [event_id]    uniqueidentifier NOT NULL UNIQUE,
   [batch_id]    bigint        NOT NULL REFERENCES [skein].[batch] ([id]),
@@ -85,13 +89,10 @@ CREATE TABLE [skein].[outbox] (
   [etag]        char(64)      NULL,
   [event]       nvarchar(max) NOT NULL,
   [commit_time] datetime2(6)  NOT NULL,
-  [enqueued_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME(),
-  [dequeued_at] datetime2(6)  NULL
+  [enqueued_at] datetime2(6)  NOT NULL DEFAULT SYSUTCDATETIME()
 );
-IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_pending' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
-    CREATE INDEX [outbox_pending] ON [skein].[outbox] ([id]) WHERE [dequeued_at] IS NULL;
-IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
-    CREATE INDEX [outbox_entity_key] ON [skein].[outbox] ([entity], [key], [id]);
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_entity_key' AND object_id = OBJECT_ID(N'[skein].[outbox_row]'))
+    CREATE INDEX [outbox_entity_key] ON [skein].[outbox_row] ([entity], [key], [id]);
 
 -- Version 6: explicit runs (`skein explicit`, `extractor.initial_load`). A
 -- run selects root keys of an entity and queues them a chunk per transaction,
@@ -129,10 +130,33 @@ IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_partition
 IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'explicit_queue_run' AND object_id = OBJECT_ID(N'[skein].[explicit_queue]'))
     CREATE INDEX [explicit_queue_run] ON [skein].[explicit_queue] ([run_id]);
 
--- Version 6: relayed outbox rows are deleted after
--- `sidecar.outbox_retention_secs`, a chunk at a time, by the relay.
-IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_dequeued' AND object_id = OBJECT_ID(N'[skein].[outbox]'))
-    CREATE INDEX [outbox_dequeued] ON [skein].[outbox] ([dequeued_at]) WHERE [dequeued_at] IS NOT NULL;
+-- Version 7: the relay keeps one cursor per outbox partition, the last id
+-- it sent, instead of rewriting every row it sends (versions 1 to 6 set
+-- outbox.dequeued_at). A partition's ids grow in commit order (its batch
+-- transactions take the partition's outbox lock before they write), so
+-- every row above the cursor is pending and none below it is. Relayed
+-- rows are deleted after `sidecar.outbox_retention_secs`, a chunk at a
+-- time, by the relay.
+IF OBJECT_ID(N'[skein].[relay_cursor]', N'U') IS NULL
+CREATE TABLE [skein].[relay_cursor] (
+  [partition]  int          NOT NULL PRIMARY KEY,
+  [last_id]    bigint       NOT NULL,
+  [updated_at] datetime2(6) NOT NULL DEFAULT SYSUTCDATETIME()
+);
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_partition_id' AND object_id = OBJECT_ID(N'[skein].[outbox_row]'))
+    CREATE INDEX [outbox_partition_id] ON [skein].[outbox_row] ([partition], [id]);
+IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'outbox_enqueued' AND object_id = OBJECT_ID(N'[skein].[outbox_row]'))
+    CREATE INDEX [outbox_enqueued] ON [skein].[outbox_row] ([enqueued_at]);
+-- From version 6: each partition's cursor stops below its first pending
+-- row (a row relayed above it, out of order, is sent once more: at least
+-- once, as after a crash), then dequeued_at goes.
+IF COL_LENGTH(N'[skein].[outbox_row]', N'dequeued_at') IS NOT NULL
+    EXEC(N'INSERT INTO [skein].[relay_cursor] ([partition], [last_id]) SELECT [partition], COALESCE(MIN(CASE WHEN [dequeued_at] IS NULL THEN [id] END) - 1, MAX([id])) FROM [skein].[outbox_row] GROUP BY [partition]; IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N''outbox_pending'' AND object_id = OBJECT_ID(N''[skein].[outbox_row]'')) DROP INDEX [outbox_pending] ON [skein].[outbox_row]; IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N''outbox_dequeued'' AND object_id = OBJECT_ID(N''[skein].[outbox_row]'')) DROP INDEX [outbox_dequeued] ON [skein].[outbox_row]; ALTER TABLE [skein].[outbox_row] DROP COLUMN [dequeued_at];');
+-- The outbox as versions 1 to 6 had it, for readers: dequeued_at is null
+-- above the partition's cursor, and below it the time the cursor last
+-- moved (at or after the row was sent).
+IF OBJECT_ID(N'[skein].[outbox]', N'V') IS NULL
+    EXEC(N'CREATE VIEW [skein].[outbox] AS SELECT o.[id], o.[event_id], o.[batch_id], o.[entity], o.[key], o.[partition], o.[etag], o.[event], o.[commit_time], o.[enqueued_at], CAST(NULL AS datetime2(6)) AS [dequeued_at] FROM [skein].[relay_cursor] c JOIN [skein].[outbox_row] o ON o.[partition] = c.[partition] AND o.[id] > c.[last_id] UNION ALL SELECT o.[id], o.[event_id], o.[batch_id], o.[entity], o.[key], o.[partition], o.[etag], o.[event], o.[commit_time], o.[enqueued_at], c.[updated_at] FROM [skein].[relay_cursor] c JOIN [skein].[outbox_row] o ON o.[partition] = c.[partition] AND o.[id] <= c.[last_id]');
 
 -- Version 6: global identifiers (`identifier_mapping: true`), nTangle's
 -- IdentifierMapping. Written in the batch transaction of an aggregate's
@@ -148,5 +172,5 @@ CREATE TABLE [skein].[identifier_mapping] (
   UNIQUE ([entity], [global_id])
 );
 
-IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 6)
-    INSERT INTO [skein].[schema_version] ([version]) VALUES (6);
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 7)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (7);

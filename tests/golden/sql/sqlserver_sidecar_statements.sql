@@ -31,8 +31,11 @@ INSERT INTO [skein].[progress] ([group_name], [topic], [partition], [position], 
 -- batch transaction 2: batch row
 INSERT INTO [skein].[batch] ([correlation_id], [group_name], [topic], [partition], [lower_position], [upper_position], [record_count], [entity_count], [event_count], [has_data_loss], [dead_letters]) OUTPUT INSERTED.[id] VALUES (CAST(@P1 AS uniqueidentifier), @P2, @P3, @P4, CAST(@P5 AS decimal(25,0)), CAST(@P6 AS decimal(25,0)), @P7, @P8, @P9, @P10, @P11);
 
+-- batch transaction 3a: the partition's outbox lock and relay cursor
+DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P2, @LockMode = 'Exclusive', @LockOwner = 'Transaction'; IF @r < 0 THROW 50000, N'the partition''s outbox lock was not granted', 1; IF NOT EXISTS (SELECT 1 FROM [skein].[relay_cursor] WHERE [partition] = @P1) INSERT INTO [skein].[relay_cursor] ([partition], [last_id]) VALUES (@P1, 0); SELECT (SELECT MAX([id]) FROM [skein].[outbox_row] WHERE [partition] = @P1), (SELECT [last_id] FROM [skein].[relay_cursor] WHERE [partition] = @P1);;
+
 -- batch transaction 3: two outbox rows
-INSERT INTO [skein].[outbox] ([event_id], [batch_id], [entity], [key], [partition], [etag], [event], [commit_time]) SELECT CAST(v.id AS uniqueidentifier), @P1, v.entity, v.[key], @P2, v.etag, v.event, DATEADD(microsecond, CAST(v.t % 1000000 AS int), DATEADD(second, CAST((v.t / 1000000) % 86400 AS int), DATEADD(day, CAST(v.t / 86400000000 AS int), CAST('1970-01-01' AS datetime2(6))))) FROM (VALUES (@P3, @P4, @P5, @P6, @P7, @P8, @P9), (@P10, @P11, @P12, @P13, @P14, @P15, @P16)) AS v(ord, id, entity, [key], etag, event, t) ORDER BY v.ord;
+INSERT INTO [skein].[outbox_row] ([event_id], [batch_id], [entity], [key], [partition], [etag], [event], [commit_time]) OUTPUT INSERTED.[id] SELECT CAST(v.id AS uniqueidentifier), @P1, v.entity, v.[key], @P2, v.etag, v.event, DATEADD(microsecond, CAST(v.t % 1000000 AS int), DATEADD(second, CAST((v.t / 1000000) % 86400 AS int), DATEADD(day, CAST(v.t / 86400000000 AS int), CAST('1970-01-01' AS datetime2(6))))) FROM (VALUES (@P3, @P4, @P5, @P6, @P7, @P8, @P9), (@P10, @P11, @P12, @P13, @P14, @P15, @P16)) AS v(ord, id, entity, [key], etag, event, t) ORDER BY v.ord;
 
 -- batch transaction 4: two versions
 MERGE [skein].[version] WITH (HOLDLOCK) AS t USING (VALUES (@P1, @P2, @P3, @P4), (@P5, @P6, @P7, @P8)) AS s(entity, [key], etag, is_deleted) ON t.[entity] = s.entity AND t.[key] = s.[key] WHEN MATCHED THEN UPDATE SET [etag] = s.etag, [is_deleted] = s.is_deleted, [updated_at] = SYSUTCDATETIME() WHEN NOT MATCHED THEN INSERT ([entity], [key], [etag], [is_deleted]) VALUES (s.entity, s.[key], s.etag, s.is_deleted);;
@@ -47,16 +50,16 @@ SELECT TOP (@P3) [key] FROM [skein].[version] WHERE [entity] = @P1 AND [is_delet
 SELECT MAX([version]) FROM [skein].[schema_version];
 
 -- pending outbox
-SELECT CAST(COUNT(*) AS bigint), COALESCE(DATEDIFF_BIG(millisecond, MIN([enqueued_at]), SYSUTCDATETIME()), 0) FROM [skein].[outbox] WHERE [dequeued_at] IS NULL;
+SELECT CAST(COUNT(*) AS bigint), COALESCE(DATEDIFF_BIG(millisecond, MIN(o.[enqueued_at]), SYSUTCDATETIME()), 0) FROM [skein].[relay_cursor] c JOIN [skein].[outbox_row] o ON o.[partition] = c.[partition] AND o.[id] > c.[last_id];
 
 -- relay, all partitions
-SELECT TOP (@P1) [id], [entity], [event] FROM [skein].[outbox] WITH (UPDLOCK, READPAST, ROWLOCK) WHERE [dequeued_at] IS NULL ORDER BY [id];
+SELECT TOP (@P1) o.[id], o.[entity], o.[event], o.[partition] FROM [skein].[relay_cursor] c WITH (UPDLOCK, ROWLOCK) CROSS APPLY (SELECT TOP (@P1) [id], [entity], [event], [partition] FROM [skein].[outbox_row] WHERE [partition] = c.[partition] AND [id] > c.[last_id] ORDER BY [id]) o ORDER BY o.[id];
 
 -- relay, owned partitions
-SELECT TOP (@P1) [id], [entity], [event] FROM [skein].[outbox] WITH (UPDLOCK, ROWLOCK) WHERE [dequeued_at] IS NULL AND [partition] IN (0, 3) ORDER BY [id];
+SELECT TOP (@P1) o.[id], o.[entity], o.[event], o.[partition] FROM [skein].[relay_cursor] c WITH (UPDLOCK, ROWLOCK) CROSS APPLY (SELECT TOP (@P1) [id], [entity], [event], [partition] FROM [skein].[outbox_row] WHERE [partition] = c.[partition] AND [id] > c.[last_id] ORDER BY [id]) o WHERE c.[partition] IN (0, 3) ORDER BY o.[id];
 
--- relay: mark dequeued
-UPDATE [skein].[outbox] SET [dequeued_at] = SYSUTCDATETIME() WHERE [id] IN (41, 42);
+-- relay: move the cursors of partitions 0 and 3
+UPDATE c SET [last_id] = v.[last_id], [updated_at] = SYSUTCDATETIME() FROM [skein].[relay_cursor] c JOIN (VALUES (0, 41), (3, 42)) AS v([partition], [last_id]) ON c.[partition] = v.[partition];
 
 -- relay lease, all partitions
 DECLARE @r int; EXEC @r = sys.sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Session', @LockTimeout = 0; SELECT CAST(@r AS bigint);
@@ -107,7 +110,7 @@ SELECT r.[id], r.[entity], r.[selection], r.[republish], r.[initial], r.[state],
 SELECT [key], [global_id] FROM [skein].[identifier_mapping] WHERE [entity] = @P1 AND [key] IN (@P2, @P3);
 
 -- relay: purge relayed rows past their retention
-DELETE TOP (@P2) FROM [skein].[outbox] WITH (READPAST) WHERE [dequeued_at] < DATEADD(second, -@P1, SYSUTCDATETIME());
+DELETE TOP (@P2) o FROM [skein].[outbox_row] o WITH (READPAST) JOIN [skein].[relay_cursor] c ON c.[partition] = o.[partition] AND o.[id] <= c.[last_id] WHERE o.[enqueued_at] < DATEADD(second, -@P1, SYSUTCDATETIME());
 
 -- new global identifiers (2 rows), before the batch transaction
 INSERT INTO [skein].[identifier_mapping] ([entity], [key], [global_id]) SELECT v.e, v.k, v.g FROM (VALUES (@P1, @P2, @P3), (@P4, @P5, @P6)) AS v(e, k, g) WHERE NOT EXISTS (SELECT 1 FROM [skein].[identifier_mapping] t WITH (UPDLOCK, HOLDLOCK) WHERE t.[entity] = v.e AND (t.[key] = v.k OR t.[global_id] = v.g)) ORDER BY v.e, v.k;
