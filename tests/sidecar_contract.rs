@@ -489,9 +489,7 @@ async fn postgres_sidecar_purges_only_relayed_rows_past_their_retention() {
 /// held elsewhere, the lock holds the commit back until it is released.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_writes_its_outbox_rows_under_the_partitions_lock() {
-    let url = pg_db("skein_t_contract_outbox_lock").await;
-    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
-    sc.migrate().await.unwrap();
+    let (url, mut sc) = sidecar_with_batches("skein_t_contract_outbox_lock", 0).await;
     let mut other = connect(url.expose()).await;
     let tx = other.transaction().await.unwrap();
     tx.execute(
@@ -538,10 +536,7 @@ async fn a_batch_writes_its_outbox_rows_under_the_partitions_lock() {
 /// an error that says so, instead of writing rows the relay would skip.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_whose_outbox_ids_go_back_is_refused() {
-    let url = pg_db("skein_t_contract_outbox_order").await;
-    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
-    sc.migrate().await.unwrap();
-    sc.commit(&batch(None, 10, pg_lsn(1), 1, 1)).await.unwrap();
+    let (url, mut sc) = sidecar_with_batches("skein_t_contract_outbox_order", 1).await;
     assert_eq!(relay_all(&mut sc).await.len(), 2);
     // The relayed rows past their retention go: ids 1 and 2 are free
     // again, and only the cursor (2) remembers them.
@@ -592,18 +587,7 @@ async fn a_batch_whose_outbox_ids_go_back_is_refused() {
 /// relayed past the cursor.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_version_6_outbox_keeps_its_pending_rows_across_the_upgrade() {
-    let url = pg_db("skein_t_contract_v6_outbox").await;
-    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
-    sc.migrate().await.unwrap();
-    let mut expected = None;
-    for i in 0..3u8 {
-        let position = i128::from(i + 1) * 10;
-        let first = 2 * u32::from(i) + 1;
-        sc.commit(&batch(expected, position, pg_lsn(i + 1), first, first))
-            .await
-            .unwrap();
-        expected = Some(position);
-    }
+    let (url, _) = sidecar_with_batches("skein_t_contract_v6_outbox", 3).await;
     // Back to version 6's shape: ids 1 to 4 in partition 2 (3 pending, 4
     // relayed before it), 5 and 6 moved to partition 1, both relayed.
     let db = connect(url.expose()).await;

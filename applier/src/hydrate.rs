@@ -329,22 +329,17 @@ impl Source {
                 }
                 // Prepared once per connection (the first batch only).
                 let check = "checking the snapshot sees the batch's transactions";
-                let unseen_sql = statements
-                    .get(client, UNSEEN_XIDS_SQL)
-                    .await
-                    .map_err(db(check))?;
+                let unseen_sql = statements.prepared(client, UNSEEN_XIDS_SQL, check).await?;
                 let catalog_what = "reading the catalog in the hydration snapshot";
                 let catalog_sql = statements
-                    .get(client, skein_sql::postgres::CATALOG_QUERY)
-                    .await
-                    .map_err(db(catalog_what))?;
+                    .prepared(client, skein_sql::postgres::CATALOG_QUERY, catalog_what)
+                    .await?;
                 let snapshot_what = "reading the hydration snapshot";
                 let snapshot_sql = match with_snapshot {
                     true => Some(
                         statements
-                            .get(client, CLEAN_SNAPSHOT_SQL)
-                            .await
-                            .map_err(db(snapshot_what))?,
+                            .prepared(client, CLEAN_SNAPSHOT_SQL, snapshot_what)
+                            .await?,
                     ),
                     false => None,
                 };
@@ -472,9 +467,8 @@ impl Source {
             } => {
                 let what = "reading the catalog in the hydration snapshot";
                 let query = statements
-                    .get(client, skein_sql::postgres::CATALOG_QUERY)
-                    .await
-                    .map_err(db(what))?;
+                    .prepared(client, skein_sql::postgres::CATALOG_QUERY, what)
+                    .await?;
                 read_catalog(client, &query, tables)
                     .await
                     .map(Some)

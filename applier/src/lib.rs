@@ -86,6 +86,16 @@ impl Statements {
         Ok(s)
     }
 
+    /// [`Statements::get`], an error naming `what` was being done.
+    pub async fn prepared<C: tokio_postgres::GenericClient + Sync>(
+        &mut self,
+        client: &C,
+        sql: &str,
+        what: &'static str,
+    ) -> Result<tokio_postgres::Statement> {
+        self.get(client, sql).await.map_err(error::db(what))
+    }
+
     /// Runs `sql` prepared; an error names `what` was being done.
     pub async fn execute<C: tokio_postgres::GenericClient + Sync>(
         &mut self,
@@ -94,7 +104,7 @@ impl Statements {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         what: &'static str,
     ) -> Result<u64> {
-        let s = self.get(client, sql).await.map_err(error::db(what))?;
+        let s = self.prepared(client, sql, what).await?;
         client.execute(&s, params).await.map_err(error::db(what))
     }
 
@@ -107,7 +117,7 @@ impl Statements {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         what: &'static str,
     ) -> Result<tokio_postgres::Row> {
-        let s = self.get(client, sql).await.map_err(error::db(what))?;
+        let s = self.prepared(client, sql, what).await?;
         client.query_one(&s, params).await.map_err(error::db(what))
     }
 
@@ -120,7 +130,7 @@ impl Statements {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         what: &'static str,
     ) -> Result<Vec<tokio_postgres::Row>> {
-        let s = self.get(client, sql).await.map_err(error::db(what))?;
+        let s = self.prepared(client, sql, what).await?;
         client.query(&s, params).await.map_err(error::db(what))
     }
 }

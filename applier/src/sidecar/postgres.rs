@@ -281,36 +281,29 @@ impl Sidecar for PgSidecar {
         let what_advance = "advancing progress";
         let what_batch = "inserting the batch row";
         let advance = statements
-            .get(&tx, &sc::advance_progress_sql(s))
-            .await
-            .map_err(db(what_advance))?;
+            .prepared(&tx, &sc::advance_progress_sql(s), what_advance)
+            .await?;
         let batch_insert = statements
-            .get(&tx, &sc::batch_insert_sql(s))
-            .await
-            .map_err(db(what_batch))?;
+            .prepared(&tx, &sc::batch_insert_sql(s), what_batch)
+            .await?;
         let outbox_insert = statements
-            .get(&tx, &sc::outbox_insert_sql(s))
-            .await
-            .map_err(db("inserting outbox rows"))?;
+            .prepared(&tx, &sc::outbox_insert_sql(s), "inserting outbox rows")
+            .await?;
         let versions_upsert = statements
-            .get(&tx, &sc::versions_upsert_sql(s))
-            .await
-            .map_err(db("upserting versions"))?;
+            .prepared(&tx, &sc::versions_upsert_sql(s), "upserting versions")
+            .await?;
         let what_lock = "locking the partition's outbox";
         let what_cursor = "creating the partition's relay cursor";
         let outbox_lock = statements
-            .get(&tx, sc::outbox_lock_sql())
-            .await
-            .map_err(db(what_lock))?;
+            .prepared(&tx, sc::outbox_lock_sql(), what_lock)
+            .await?;
         let cursor_ensure = statements
-            .get(&tx, &sc::relay_cursor_ensure_sql(s))
-            .await
-            .map_err(db(what_cursor))?;
+            .prepared(&tx, &sc::relay_cursor_ensure_sql(s), what_cursor)
+            .await?;
         let what_floor = "reading the partition's highest outbox id";
         let outbox_floor = statements
-            .get(&tx, &sc::outbox_floor_sql(s))
-            .await
-            .map_err(db(what_floor))?;
+            .prepared(&tx, &sc::outbox_floor_sql(s), what_floor)
+            .await?;
         let lock_name = sc::outbox_lock_name(s);
         // Statements are pipelined where no answer feeds the next one:
         // tokio-postgres sends each as its future is first polled. Nothing
@@ -587,9 +580,8 @@ impl Sidecar for PgSidecar {
         // woken by every batch commit runs many small rounds.
         let what = "reading the outbox";
         let select = statements
-            .get(&tx, &sc::relay_select_sql(s))
-            .await
-            .map_err(db(what))?;
+            .prepared(&tx, &sc::relay_select_sql(s), what)
+            .await?;
         let rows = tx
             .query(&select, &[&limit, &partitions])
             .await

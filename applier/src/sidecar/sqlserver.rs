@@ -107,6 +107,16 @@ pub(crate) fn outbox_event(r: &[SqlValue]) -> Result<SinkEvent> {
     }
 }
 
+/// The partition of relayed outbox row `id` (its fourth column).
+fn outbox_partition(r: &[SqlValue], id: i64) -> Result<i32> {
+    match r.get(3) {
+        Some(SqlValue::Int(p)) => {
+            i32::try_from(*p).map_err(|_| Error::Data(format!("outbox row {id}: partition {p}")))
+        }
+        other => Err(Error::Data(format!("outbox row {id}: partition {other:?}"))),
+    }
+}
+
 /// The types of a row's cells and the outbox id if there is one, never
 /// the values (an event is a payload, not for logs).
 fn describe(r: &[SqlValue]) -> String {
@@ -753,20 +763,7 @@ impl Sidecar for MssqlSidecar {
             .iter()
             .map(|r| {
                 let e = outbox_event(r)?;
-                match r.get(3) {
-                    Some(SqlValue::Int(p)) => {
-                        let p = i32::try_from(*p).map_err(|_| {
-                            Error::Data(format!("outbox row {}: partition {p}", e.outbox_id))
-                        })?;
-                        super::advance_cursor(&mut cursors, p, e.outbox_id);
-                    }
-                    other => {
-                        return Err(Error::Data(format!(
-                            "outbox row {}: partition {other:?}",
-                            e.outbox_id
-                        )))
-                    }
-                }
+                super::advance_cursor(&mut cursors, outbox_partition(r, e.outbox_id)?, e.outbox_id);
                 Ok(e)
             })
             .collect::<Result<Vec<_>>>()?;
