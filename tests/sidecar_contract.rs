@@ -530,6 +530,32 @@ async fn a_batch_writes_its_outbox_rows_under_the_partitions_lock() {
     assert_eq!(relay_all(&mut sc).await.len(), 2);
 }
 
+/// A relay with nothing to send (it polls every `sink.relay_poll_ms`)
+/// locks no cursor: its round writes nothing and holds no transaction id,
+/// which would also hold up every logical slot being created meanwhile.
+/// The cursor row's `xmax` would name each idle round's transaction
+/// otherwise.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_relay_round_locks_no_cursor() {
+    let (url, mut sc) = sidecar_with_batches("skein_t_contract_idle_relay", 1).await;
+    assert_eq!(relay_all(&mut sc).await.len(), 2);
+    let db = connect(url.expose()).await;
+    let locker = "SELECT partition, xmax::text FROM skein.relay_cursor ORDER BY partition";
+    // (The round that moved the cursor may have left its own, committed,
+    // transaction there.)
+    let before: Vec<(i32, String)> = pairs(&db, locker).await;
+    assert_eq!(before.len(), 1);
+    for _ in 0..3 {
+        assert_eq!(
+            relay_once(&mut sc, &mut Collect::default(), 10, &RelayScope::All)
+                .await
+                .unwrap(),
+            0
+        );
+    }
+    assert_eq!(pairs::<i32, String>(&db, locker).await, before);
+}
+
 /// The relay takes every row at or below its partition's cursor as sent,
 /// so a batch whose ids do not pass the partition's highest (its id
 /// sequence reset, or caching values per session) is refused whole with

@@ -256,13 +256,19 @@ pub fn relay_cursor_ensure_sql(schema: &str) -> String {
 /// partitions in the array `$2`, in id order, with the cursors of those
 /// partitions locked (`FOR UPDATE`): a relay that takes a partition over
 /// waits for the previous owner's round to end, keeping per-aggregate
-/// order. A partition's rows above its cursor, taken in id order, are a
-/// prefix of what it has pending. Columns: partition, id, entity, event.
+/// order. Only cursors with rows above them are locked: an idle round
+/// takes no row lock, so it writes nothing and holds no transaction id
+/// (a relay polls every `sink.relay_poll_ms`). A cursor a previous owner
+/// moved meanwhile is checked again at its new position (`FOR UPDATE`
+/// re-evaluates the condition on the updated row). A partition's rows
+/// above its cursor, taken in id order, are a prefix of what it has
+/// pending. Columns: partition, id, entity, event.
 pub fn relay_select_sql(schema: &str) -> String {
     let s = qi(schema);
     format!(
-        "WITH c AS (SELECT partition, last_id FROM {s}.\"relay_cursor\" \
-         WHERE $2::int4[] IS NULL OR partition = ANY($2) FOR UPDATE) \
+        "WITH c AS (SELECT partition, last_id FROM {s}.\"relay_cursor\" c \
+         WHERE ($2::int4[] IS NULL OR partition = ANY($2)) \
+         AND EXISTS (SELECT 1 FROM {s}.\"outbox_row\" WHERE {ABOVE_CURSOR}) FOR UPDATE) \
          SELECT o.partition, o.id, o.entity, o.event FROM c CROSS JOIN LATERAL \
          (SELECT partition, id, entity, event FROM {s}.\"outbox_row\" \
          WHERE {ABOVE_CURSOR} ORDER BY partition, id LIMIT $1) o \
