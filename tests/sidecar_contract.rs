@@ -556,6 +556,68 @@ async fn an_idle_relay_round_locks_no_cursor() {
     assert_eq!(pairs::<i32, String>(&db, locker).await, before);
 }
 
+/// A sink that holds each send until the test lets it go, and says when
+/// a send has begun.
+struct Held {
+    began: std::sync::mpsc::Sender<()>,
+    go: std::sync::mpsc::Receiver<()>,
+}
+
+impl Sink for Held {
+    fn send(&mut self, _: &[SinkEvent]) -> skein_applier::Result<()> {
+        self.began.send(()).unwrap();
+        self.go.recv().unwrap();
+        Ok(())
+    }
+}
+
+/// While the relay waits on its sink (a slow broker, an outage it sits
+/// out) its transaction holds no transaction id. One that did would hold
+/// up every logical replication slot created in the cluster meanwhile
+/// (PostgreSQL waits for the transactions running when a slot is created
+/// to end): with the sidecar beside the source, an extractor's first start
+/// would hang, silently, for as long as the sink does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_waiting_on_its_sink_holds_up_no_slot_creation() {
+    let (url, mut sc) = sidecar_with_batches("skein_t_contract_relay_xid", 1).await;
+    let (began_tx, began) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel();
+    let relay = tokio::spawn(async move {
+        let mut sink = Held {
+            began: began_tx,
+            go: go_rx,
+        };
+        relay_once(&mut sc, &mut sink, 10, &RelayScope::All).await
+    });
+    tokio::task::spawn_blocking(move || began.recv().unwrap())
+        .await
+        .unwrap();
+    let db = connect(url.expose()).await;
+    db.batch_execute("SET statement_timeout = '10s'")
+        .await
+        .unwrap();
+    let created = db
+        .query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot('skein_t_contract_relay_xid', 'pgoutput')",
+            &[],
+        )
+        .await;
+    go.send(()).unwrap();
+    assert_eq!(relay.await.unwrap().unwrap(), 2, "the held round went on");
+    let dropped = db
+        .execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+             WHERE slot_name = 'skein_t_contract_relay_xid'",
+            &[],
+        )
+        .await;
+    assert!(
+        created.is_ok(),
+        "creating a slot waited for the relay's transaction: {created:?}"
+    );
+    dropped.unwrap();
+}
+
 /// The relay takes every row at or below its partition's cursor as sent,
 /// so a batch whose ids do not pass the partition's highest (its id
 /// sequence reset, or caching values per session) is refused whole with

@@ -637,7 +637,12 @@ fn postgres_sidecar_statements_are_frozen() {
         ),
         ("pending outbox", sc::pending_sql(s)),
         (
-            "relay, all partitions ($2 null) or owned ones",
+            "relay: lock the cursors with rows above them, all partitions ($1 null) \
+             or owned ones ($2 = 'skein.relay_cursor.skein')",
+            sc::relay_lock_sql(s),
+        ),
+        (
+            "relay: the rows above the locked cursors ($2)",
             sc::relay_select_sql(s),
         ),
         ("relay: move the cursors", sc::relay_mark_sql(s)),

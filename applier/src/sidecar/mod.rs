@@ -484,7 +484,10 @@ pub trait Sidecar {
     /// deployment; `Some(owned)` only those. Either locks the cursors it
     /// takes for the round, so a relay that takes a partition over sends
     /// after the previous owner's round ended and per-aggregate order
-    /// holds; `Some(&[])` claims nothing. Every row above a cursor is
+    /// holds; `Some(&[])` claims nothing. While the sink is sent to, the
+    /// round's transaction holds no transaction id (PostgreSQL: advisory
+    /// locks, not row locks), so a slow sink holds up no logical slot
+    /// being created in the cluster. Every row above a cursor is
     /// pending: [`Sidecar::commit`] draws a partition's outbox ids under
     /// the partition's outbox lock, so they grow in commit order.
     ///

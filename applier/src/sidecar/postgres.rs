@@ -578,12 +578,27 @@ impl Sidecar for PgSidecar {
         let (tx, s, statements) = self.begin("beginning the relay transaction").await?;
         // Prepared once per connection, like the batch's statements: a relay
         // woken by every batch commit runs many small rounds.
+        let what = "locking the relay cursors";
+        let lock = statements
+            .prepared(&tx, &sc::relay_lock_sql(s), what)
+            .await?;
+        let locked: Vec<i32> = tx
+            .query(&lock, &[&partitions, &sc::relay_cursor_lock_name(s)])
+            .await
+            .map_err(db(what))?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(db(what))?;
+        if locked.is_empty() {
+            return Ok(0);
+        }
         let what = "reading the outbox";
         let select = statements
             .prepared(&tx, &sc::relay_select_sql(s), what)
             .await?;
         let rows = tx
-            .query(&select, &[&limit, &partitions])
+            .query(&select, &[&limit, &locked])
             .await
             .map_err(db(what))?;
         if rows.is_empty() {

@@ -252,26 +252,46 @@ pub fn relay_cursor_ensure_sql(schema: &str) -> String {
     )
 }
 
-/// At most `$1` pending rows of every partition (`$2` null) or of the
-/// partitions in the array `$2`, in id order, with the cursors of those
-/// partitions locked (`FOR UPDATE`): a relay that takes a partition over
-/// waits for the previous owner's round to end, keeping per-aggregate
-/// order. Only cursors with rows above them are locked: an idle round
-/// takes no row lock, so it writes nothing and holds no transaction id
-/// (a relay polls every `sink.relay_poll_ms`). A cursor a previous owner
-/// moved meanwhile is checked again at its new position (`FOR UPDATE`
-/// re-evaluates the condition on the updated row). A partition's rows
-/// above its cursor, taken in id order, are a prefix of what it has
-/// pending. Columns: partition, id, entity, event.
+/// The name of the locks a relay round takes on the cursors it moves
+/// (`$2` of [`relay_lock_sql`]).
+pub fn relay_cursor_lock_name(schema: &str) -> String {
+    format!("skein.relay_cursor.{schema}")
+}
+
+/// Locks, until the transaction ends, the relay cursors of every partition
+/// (`$1` null) or of the partitions in the array `$1` that have rows above
+/// them, in partition order, under the name `$2`
+/// ([`relay_cursor_lock_name`]); returns those partitions. A relay that
+/// takes a partition over waits here for the previous owner's round to
+/// end, keeping per-aggregate order. Advisory locks, not `FOR UPDATE`: a
+/// row lock gives the transaction an id, which it would keep while the
+/// sink is sent to, and every logical slot created in the cluster
+/// meanwhile waits for such transactions to end. An idle round locks
+/// nothing.
+pub fn relay_lock_sql(schema: &str) -> String {
+    let s = qi(schema);
+    format!(
+        "SELECT p.partition, pg_advisory_xact_lock(hashtext($2), p.partition)::text \
+         FROM (SELECT partition FROM {s}.\"relay_cursor\" c \
+         WHERE ($1::int4[] IS NULL OR partition = ANY($1)) \
+         AND EXISTS (SELECT 1 FROM {s}.\"outbox_row\" WHERE {ABOVE_CURSOR}) \
+         ORDER BY partition OFFSET 0) p"
+    )
+}
+
+/// At most `$1` rows above the cursors of the partitions in the array
+/// `$2`, in id order; run after [`relay_lock_sql`] locked them, in a
+/// statement of its own, so it reads the cursors as a previous owner's
+/// round left them. A partition's rows above its cursor, taken in id
+/// order, are a prefix of what it has pending. Columns: partition, id,
+/// entity, event.
 pub fn relay_select_sql(schema: &str) -> String {
     let s = qi(schema);
     format!(
-        "WITH c AS (SELECT partition, last_id FROM {s}.\"relay_cursor\" c \
-         WHERE ($2::int4[] IS NULL OR partition = ANY($2)) \
-         AND EXISTS (SELECT 1 FROM {s}.\"outbox_row\" WHERE {ABOVE_CURSOR}) FOR UPDATE) \
-         SELECT o.partition, o.id, o.entity, o.event FROM c CROSS JOIN LATERAL \
+        "SELECT o.partition, o.id, o.entity, o.event FROM {s}.\"relay_cursor\" c CROSS JOIN LATERAL \
          (SELECT partition, id, entity, event FROM {s}.\"outbox_row\" \
          WHERE {ABOVE_CURSOR} ORDER BY partition, id LIMIT $1) o \
+         WHERE c.partition = ANY($2) \
          ORDER BY o.id LIMIT $1"
     )
 }

@@ -59,8 +59,11 @@ SELECT max(version) FROM "skein"."schema_version";
 -- pending outbox
 SELECT count(*), coalesce(extract(epoch FROM now() - min(o.enqueued_at)) * 1000, 0)::int8 FROM "skein"."relay_cursor" c CROSS JOIN LATERAL (SELECT enqueued_at FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) OFFSET 0) o;
 
--- relay, all partitions ($2 null) or owned ones
-WITH c AS (SELECT partition, last_id FROM "skein"."relay_cursor" c WHERE ($2::int4[] IS NULL OR partition = ANY($2)) AND EXISTS (SELECT 1 FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807)) FOR UPDATE) SELECT o.partition, o.id, o.entity, o.event FROM c CROSS JOIN LATERAL (SELECT partition, id, entity, event FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT $1) o ORDER BY o.id LIMIT $1;
+-- relay: lock the cursors with rows above them, all partitions ($1 null) or owned ones ($2 = 'skein.relay_cursor.skein')
+SELECT p.partition, pg_advisory_xact_lock(hashtext($2), p.partition)::text FROM (SELECT partition FROM "skein"."relay_cursor" c WHERE ($1::int4[] IS NULL OR partition = ANY($1)) AND EXISTS (SELECT 1 FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807)) ORDER BY partition OFFSET 0) p;
+
+-- relay: the rows above the locked cursors ($2)
+SELECT o.partition, o.id, o.entity, o.event FROM "skein"."relay_cursor" c CROSS JOIN LATERAL (SELECT partition, id, entity, event FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT $1) o WHERE c.partition = ANY($2) ORDER BY o.id LIMIT $1;
 
 -- relay: move the cursors
 UPDATE "skein"."relay_cursor" c SET last_id = u.last_id, updated_at = now() FROM unnest($1::int4[], $2::int8[]) AS u(partition, last_id) WHERE c.partition = u.partition;
