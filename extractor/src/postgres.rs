@@ -22,6 +22,21 @@ use crate::resolve::{count_tracked, BatchResolution, EntityPlan, TableIndex, TxM
 use crate::spill::{self, SpillReader, SpillWriter, Spilled};
 use crate::{BatchLimits, ChangeSource, InFlight, ReadBatch, StartPoint};
 
+/// How long the slot's creation may wait before a warning names the
+/// transactions it waits for, and how often the warning comes back.
+pub const SLOT_WAIT_FIRST_WARNING: Duration = Duration::from_secs(5);
+pub const SLOT_WAIT_WARNING_EVERY: Duration = Duration::from_secs(30);
+
+/// Sessions holding a transaction id, oldest first: what a new logical
+/// slot waits for. Columns: pid, database, user, state, seconds in the
+/// transaction, the start of its last statement.
+const SLOT_CREATION_BLOCKERS: &str = "SELECT pid, coalesce(datname::text, ''), \
+     coalesce(usename::text, ''), coalesce(state, '?'), \
+     coalesce(extract(epoch FROM now() - xact_start)::int8, 0), \
+     coalesce(left(regexp_replace(query, '\\s+', ' ', 'g'), 120), '') \
+     FROM pg_catalog.pg_stat_activity WHERE backend_xid IS NOT NULL \
+     ORDER BY xact_start NULLS LAST LIMIT 5";
+
 /// Microseconds between the Unix epoch and PostgreSQL's epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
@@ -519,18 +534,84 @@ impl PgSource {
         }
     }
 
+    /// Creates the slot. PostgreSQL first waits for every transaction that
+    /// holds a transaction id on the server (any database) to end, then for
+    /// its next record of running transactions (up to 15 s later): a session
+    /// left idle in a transaction holds the creation up for as long as it
+    /// stays so. Past [`SLOT_WAIT_FIRST_WARNING`], and every
+    /// [`SLOT_WAIT_WARNING_EVERY`] after, a warning names those
+    /// transactions (read on a second connection), instead of a start that
+    /// hangs without a word.
     async fn create_slot(&self) -> Result<PgLsn> {
-        let row = self
-            .client
-            .query_one(
-                "SELECT lsn::text FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
-                &[&self.slot],
-            )
-            .await
-            .map_err(src("creating the replication slot"))?;
+        info!(slot = %self.slot, "creating the replication slot");
+        let started = Instant::now();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&self.slot];
+        let create = self.client.query_one(
+            "SELECT lsn::text FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
+            &params,
+        );
+        tokio::pin!(create);
+        let mut next_warning = started + SLOT_WAIT_FIRST_WARNING;
+        let mut watch: Option<tokio_postgres::Client> = None;
+        let row = loop {
+            tokio::select! {
+                row = &mut create => break row.map_err(src("creating the replication slot"))?,
+                () = tokio::time::sleep_until(next_warning.into()) => {
+                    next_warning += SLOT_WAIT_WARNING_EVERY;
+                    let blockers = self.slot_creation_blockers(&mut watch).await;
+                    warn!(
+                        slot = %self.slot,
+                        waited_s = started.elapsed().as_secs(),
+                        holding_it_up = %blockers,
+                        "creating the replication slot waits for transactions in progress on the server to end \
+                         (PostgreSQL's rule for a new logical slot); end or commit them to let skein start"
+                    );
+                }
+            }
+        };
         let s: String = row.get(0);
         s.parse()
             .map_err(|e: skein_common::Error| Error::Decode(e.to_string()))
+    }
+
+    /// The transactions holding a transaction id on the server now, oldest
+    /// first, as one line for a warning; read on `watch`, a connection of
+    /// its own (opened on first use: the source connection is busy creating
+    /// the slot). A failure to read them is said in the line, not raised:
+    /// the creation goes on either way.
+    async fn slot_creation_blockers(&self, watch: &mut Option<tokio_postgres::Client>) -> String {
+        if watch.is_none() {
+            match connect(&self.url, "source (watching the slot's creation)").await {
+                Ok(c) => *watch = Some(c),
+                Err(e) => return format!("(could not read them: {e})"),
+            }
+        }
+        let Some(client) = watch.as_ref() else {
+            return String::new();
+        };
+        match client.query(SLOT_CREATION_BLOCKERS, &[]).await {
+            Ok(rows) if rows.is_empty() => {
+                "none visible to this role (they may have ended: the slot then waits for \
+                 PostgreSQL's next record of running transactions)"
+                    .into()
+            }
+            Ok(rows) => rows
+                .iter()
+                .map(|r| {
+                    format!(
+                        "pid {} (database {}, user {}, {} for {} s: {})",
+                        r.get::<_, i32>(0),
+                        r.get::<_, String>(1),
+                        r.get::<_, String>(2),
+                        r.get::<_, String>(3),
+                        r.get::<_, i64>(4),
+                        r.get::<_, String>(5),
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+            Err(e) => format!("(could not read them: {e})"),
+        }
     }
 
     async fn drop_slot(&self) -> Result<()> {
