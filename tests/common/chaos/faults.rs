@@ -23,6 +23,11 @@ use crate::common::{root, Env};
 
 const BATCH_CHANGES: [u64; 6] = [1, 10, 100, 500, 2_000, 10_000];
 const BATCH_RECORDS: [u64; 5] = [3, 30, 200, 1_000, 10_000];
+/// `transport.records_per_message` over Kafka (the tests' config says
+/// 1000): each record alone, small packs, large packs; changed between
+/// restarts, so a topic holds both and an applier reads packs an earlier
+/// extractor wrote.
+const RECORDS_PER_MESSAGE: [u64; 3] = [1, 7, 1_000];
 
 /// What the faults did.
 #[derive(Default)]
@@ -40,6 +45,7 @@ pub struct Figures {
     pub rewrites: u64,
     pub batch_changes_used: Vec<u64>,
     pub batch_records_used: Vec<u64>,
+    pub records_per_message_used: Vec<u64>,
 }
 
 /// One process of the pipeline.
@@ -181,7 +187,8 @@ impl<'a> Pipeline<'a> {
 
     /// New batch sizes for the processes started from now on: the
     /// extractor's `max_batch_changes`, over Kafka the appliers'
-    /// `max_batch_records`. Written whole and renamed into place.
+    /// `max_batch_records` and the extractor's `records_per_message`.
+    /// Written whole and renamed into place.
     fn rewrite_config(&mut self) {
         let changes = *BATCH_CHANGES.choose(&mut self.rng).unwrap();
         let mut yaml = self.base_yaml.replace(
@@ -191,11 +198,18 @@ impl<'a> Pipeline<'a> {
         self.figures.batch_changes_used.push(changes);
         if self.transport == Transport::Kafka {
             let records = *BATCH_RECORDS.choose(&mut self.rng).unwrap();
-            yaml = yaml.replace(
-                "  relay_in_apply: false\n",
-                &format!("  relay_in_apply: false\n  max_batch_records: {records}\n"),
-            );
+            let pack = *RECORDS_PER_MESSAGE.choose(&mut self.rng).unwrap();
+            yaml = yaml
+                .replace(
+                    "  relay_in_apply: false\n",
+                    &format!("  relay_in_apply: false\n  max_batch_records: {records}\n"),
+                )
+                .replace(
+                    "  records_per_message: 1000\n",
+                    &format!("  records_per_message: {pack}\n"),
+                );
             self.figures.batch_records_used.push(records);
+            self.figures.records_per_message_used.push(pack);
         }
         let tmp = self.env.config.with_extension("yaml.tmp");
         std::fs::write(&tmp, yaml).unwrap();
