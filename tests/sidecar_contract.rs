@@ -618,6 +618,104 @@ async fn a_relay_waiting_on_its_sink_holds_up_no_slot_creation() {
     dropped.unwrap();
 }
 
+/// A relay round sends from at most 64 partitions (each one's cursor is
+/// an advisory lock, and those take slots of the server's shared lock
+/// table); the partitions whose oldest pending row is oldest go first, so
+/// the next round takes the rest.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_round_takes_the_64_partitions_waiting_longest() {
+    let url = pg_db("skein_t_contract_relay_wide").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    // Partition p's rows are events 2p+1 and 2p+2; the last partitions
+    // are written first, so the oldest rows are not the lowest partitions.
+    for p in (0..70u32).rev() {
+        let mut b = batch(None, 10, pg_lsn(1), 2 * p + 1, p + 1);
+        b.partition = p;
+        sc.commit(&b).await.unwrap();
+    }
+    let partitions = |sink: &Collect| -> Vec<u32> {
+        let mut ps: Vec<u32> = sink
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let v: serde_json::Value = serde_json::from_str(&e.event).unwrap();
+                (u32::try_from(v["n"].as_u64().unwrap()).unwrap() - 1) / 2
+            })
+            .collect();
+        ps.dedup();
+        ps.sort_unstable();
+        ps.dedup();
+        ps
+    };
+    let first = Collect::default();
+    let sent = relay_once(&mut sc, &mut first.clone(), 1000, &RelayScope::All)
+        .await
+        .unwrap();
+    assert_eq!(sent, 128);
+    assert_eq!(partitions(&first), (6..70).collect::<Vec<_>>());
+    let second = Collect::default();
+    let sent = relay_once(&mut sc, &mut second.clone(), 1000, &RelayScope::All)
+        .await
+        .unwrap();
+    assert_eq!(sent, 12);
+    assert_eq!(partitions(&second), (0..6).collect::<Vec<_>>());
+}
+
+/// A relay that takes a partition over waits for the previous owner's
+/// round, then reads the cursor that round moved: it sends nothing twice,
+/// also where the database's default isolation is REPEATABLE READ (a
+/// transaction-wide snapshot, taken before the wait, would still show the
+/// rows as pending).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_taking_a_partition_over_sends_nothing_twice() {
+    let (url, _) = sidecar_with_batches("skein_t_contract_relay_takeover", 1).await;
+    connect(url.expose())
+        .await
+        .batch_execute(
+            "ALTER DATABASE skein_t_contract_relay_takeover \
+             SET default_transaction_isolation = 'repeatable read'",
+        )
+        .await
+        .unwrap();
+    let mut first = PgSidecar::connect(&url, "skein").await.unwrap();
+    let mut second = PgSidecar::connect(&url, "skein").await.unwrap();
+    let (began_tx, began) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel();
+    let held = tokio::spawn(async move {
+        let mut sink = Held {
+            began: began_tx,
+            go: go_rx,
+        };
+        relay_once(&mut first, &mut sink, 10, &RelayScope::All).await
+    });
+    tokio::task::spawn_blocking(move || began.recv().unwrap())
+        .await
+        .unwrap();
+    let late = Collect::default();
+    let mut late_sink = late.clone();
+    let taker =
+        tokio::spawn(
+            async move { relay_once(&mut second, &mut late_sink, 10, &RelayScope::All).await },
+        );
+    // The taker's round is under way, waiting for the held one's lock.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !taker.is_finished(),
+        "the taker did not wait for the round in progress"
+    );
+    go.send(()).unwrap();
+    assert_eq!(held.await.unwrap().unwrap(), 2);
+    let sent = taker.await.unwrap();
+    assert_eq!(
+        (sent.as_ref().ok(), late.0.lock().unwrap().len()),
+        (Some(&0), 0),
+        "the taker sent again what the previous round sent: {sent:?}"
+    );
+}
+
 /// The relay takes every row at or below its partition's cursor as sent,
 /// so a batch whose ids do not pass the partition's highest (its id
 /// sequence reset, or caching values per session) is refused whole with

@@ -27,15 +27,26 @@ use crate::{BatchLimits, ChangeSource, InFlight, ReadBatch, StartPoint};
 pub const SLOT_WAIT_FIRST_WARNING: Duration = Duration::from_secs(5);
 pub const SLOT_WAIT_WARNING_EVERY: Duration = Duration::from_secs(30);
 
-/// Sessions holding a transaction id, oldest first: what a new logical
-/// slot waits for. Columns: pid, database, user, state, seconds in the
-/// transaction, the start of its last statement.
-const SLOT_CREATION_BLOCKERS: &str = "SELECT pid, coalesce(datname::text, ''), \
-     coalesce(usename::text, ''), coalesce(state, '?'), \
-     coalesce(extract(epoch FROM now() - xact_start)::int8, 0), \
-     coalesce(left(regexp_replace(query, '\\s+', ' ', 'g'), 120), '') \
+/// What a new logical slot waits for, oldest first, a line each: sessions
+/// holding a transaction id, and prepared transactions (which no session
+/// holds). A session this role may not see in full (another role's,
+/// without `pg_read_all_stats`) shows `?` for what is hidden, and comes
+/// first.
+const SLOT_CREATION_BLOCKERS: &str = "SELECT line FROM (\
+     SELECT xact_start AS since, format('pid %s (database %s, user %s, %s for %s s: %s)', pid, \
+       coalesce(datname::text, '?'), coalesce(usename::text, '?'), coalesce(state, '?'), \
+       coalesce(extract(epoch FROM now() - xact_start)::int8::text, '?'), \
+       coalesce(left(regexp_replace(query, '\\s+', ' ', 'g'), 120), '?')) AS line \
      FROM pg_catalog.pg_stat_activity WHERE backend_xid IS NOT NULL \
-     ORDER BY xact_start NULLS LAST LIMIT 5";
+     UNION ALL \
+     SELECT prepared, format('prepared transaction %L (database %s, owner %s, prepared %s s ago: \
+       COMMIT PREPARED or ROLLBACK PREPARED ends it)', gid, database, owner, \
+       extract(epoch FROM now() - prepared)::int8) \
+     FROM pg_catalog.pg_prepared_xacts) b ORDER BY since NULLS FIRST LIMIT 5";
+
+/// How long reading what a slot's creation waits for may take: the
+/// creation is not watched meanwhile.
+const SLOT_WAIT_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Microseconds between the Unix epoch and PostgreSQL's epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -557,8 +568,15 @@ impl PgSource {
             tokio::select! {
                 row = &mut create => break row.map_err(src("creating the replication slot"))?,
                 () = tokio::time::sleep_until(next_warning.into()) => {
-                    next_warning += SLOT_WAIT_WARNING_EVERY;
-                    let blockers = self.slot_creation_blockers(&mut watch).await;
+                    let blockers = tokio::time::timeout(
+                        SLOT_WAIT_READ_TIMEOUT,
+                        self.slot_creation_blockers(&mut watch),
+                    )
+                    .await
+                    .unwrap_or_else(|_| {
+                        format!("(could not read them within {} s)", SLOT_WAIT_READ_TIMEOUT.as_secs())
+                    });
+                    next_warning = Instant::now() + SLOT_WAIT_WARNING_EVERY;
                     warn!(
                         slot = %self.slot,
                         waited_s = started.elapsed().as_secs(),
@@ -575,7 +593,7 @@ impl PgSource {
     }
 
     /// The transactions holding a transaction id on the server now, oldest
-    /// first, as one line for a warning; read on `watch`, a connection of
+    /// first, and the prepared ones, as one line for a warning; read on `watch`, a connection of
     /// its own (opened on first use: the source connection is busy creating
     /// the slot). A failure to read them is said in the line, not raised:
     /// the creation goes on either way.
@@ -598,15 +616,8 @@ impl PgSource {
             Ok(rows) => rows
                 .iter()
                 .map(|r| {
-                    format!(
-                        "pid {} (database {}, user {}, {} for {} s: {})",
-                        r.get::<_, i32>(0),
-                        r.get::<_, String>(1),
-                        r.get::<_, String>(2),
-                        r.get::<_, String>(3),
-                        r.get::<_, i64>(4),
-                        r.get::<_, String>(5),
-                    )
+                    r.try_get::<_, String>(0)
+                        .unwrap_or_else(|e| format!("({e})"))
                 })
                 .collect::<Vec<_>>()
                 .join("; "),

@@ -638,7 +638,7 @@ fn postgres_sidecar_statements_are_frozen() {
         ("pending outbox", sc::pending_sql(s)),
         (
             "relay: lock the cursors with rows above them, all partitions ($1 null) \
-             or owned ones ($2 = 'skein.relay_cursor.skein')",
+             or owned ones ($2 = 'skein.outbox.skein')",
             sc::relay_lock_sql(s),
         ),
         (

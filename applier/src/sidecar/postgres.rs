@@ -61,7 +61,16 @@ impl PgSidecar {
             schema,
             statements,
         } = self;
-        let tx = client.transaction().await.map_err(db(what))?;
+        // READ COMMITTED whatever the role's or database's default: the
+        // relay and the batch read the cursors and the outbox's floor after
+        // taking their locks, each statement seeing what the previous
+        // holder committed; a transaction-wide snapshot would predate it.
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+            .start()
+            .await
+            .map_err(db(what))?;
         Ok((tx, schema.as_str(), statements))
     }
 
@@ -539,12 +548,7 @@ impl Sidecar for PgSidecar {
     }
 
     async fn rewind(&mut self, r: &Rewind) -> Result<()> {
-        let s = self.schema.as_str();
-        let tx = self
-            .client
-            .transaction()
-            .await
-            .map_err(db("beginning the replay transaction"))?;
+        let (tx, s, _) = self.begin("beginning the replay transaction").await?;
         for (p, cur, to) in &r.partitions {
             let n = tx
                 .execute(&sc::rewind_sql(s), &[&r.group, &r.topic, p, cur, to])
@@ -583,7 +587,7 @@ impl Sidecar for PgSidecar {
             .prepared(&tx, &sc::relay_lock_sql(s), what)
             .await?;
         let locked: Vec<i32> = tx
-            .query(&lock, &[&partitions, &sc::relay_cursor_lock_name(s)])
+            .query(&lock, &[&partitions, &sc::outbox_lock_name(s)])
             .await
             .map_err(db(what))?
             .iter()
@@ -729,12 +733,7 @@ impl Sidecar for PgSidecar {
     }
 
     async fn move_identifiers(&mut self, moves: &[(String, String)]) -> Result<u64> {
-        let s = self.schema.as_str();
-        let tx = self
-            .client
-            .transaction()
-            .await
-            .map_err(db("beginning the identifier carry-over"))?;
+        let (tx, s, _) = self.begin("beginning the identifier carry-over").await?;
         let conflicts = sc::identifier_conflicts_sql(s);
         for (from, other, between) in crate::identifiers::carry_over_checks(moves) {
             let rows = tx
@@ -809,12 +808,7 @@ impl Sidecar for PgSidecar {
     }
 
     async fn explicit_enqueue(&mut self, c: &ExplicitChunk) -> Result<()> {
-        let s = self.schema.as_str();
-        let tx = self
-            .client
-            .transaction()
-            .await
-            .map_err(db("beginning an explicit chunk"))?;
+        let (tx, s, _) = self.begin("beginning an explicit chunk").await?;
         let state = c.state();
         let moved = tx
             .execute(

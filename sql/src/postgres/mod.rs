@@ -22,7 +22,7 @@ use crate::catalog::{Catalog, ColumnInfo, TableInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
-pub const SIDECAR_SCHEMA_VERSION: i32 = 7;
+pub const SIDECAR_SCHEMA_VERSION: i32 = 8;
 
 /// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
@@ -473,6 +473,11 @@ CREATE TABLE IF NOT EXISTS {s}."identifier_mapping" (
   UNIQUE ("entity", "global_id")
 );
 
+-- Version 8 changes no table: the relay locks the cursors it moves with
+-- advisory locks instead of FOR UPDATE (it holds no transaction id while it
+-- sends). A version-7 relay and a version-8 one do not exclude each other,
+-- so every process of a pipeline is upgraded together; one of version 7
+-- started after this migration refuses the sidecar.
 INSERT INTO {s}."schema_version" ("version") VALUES ({v}) ON CONFLICT DO NOTHING;
 "#,
         v = SIDECAR_SCHEMA_VERSION

@@ -252,29 +252,35 @@ pub fn relay_cursor_ensure_sql(schema: &str) -> String {
     )
 }
 
-/// The name of the locks a relay round takes on the cursors it moves
-/// (`$2` of [`relay_lock_sql`]).
-pub fn relay_cursor_lock_name(schema: &str) -> String {
-    format!("skein.relay_cursor.{schema}")
-}
+/// Most partitions a relay round locks and sends from: advisory locks take
+/// slots of the server's shared lock table (`max_locks_per_transaction` ×
+/// connections), and an outbox may have up to 1024 partitions. The
+/// partitions whose oldest pending row is oldest go first, so none
+/// starves.
+pub const RELAY_PARTITIONS_PER_ROUND: i64 = 64;
 
-/// Locks, until the transaction ends, the relay cursors of every partition
-/// (`$1` null) or of the partitions in the array `$1` that have rows above
-/// them, in partition order, under the name `$2`
-/// ([`relay_cursor_lock_name`]); returns those partitions. A relay that
-/// takes a partition over waits here for the previous owner's round to
-/// end, keeping per-aggregate order. Advisory locks, not `FOR UPDATE`: a
-/// row lock gives the transaction an id, which it would keep while the
-/// sink is sent to, and every logical slot created in the cluster
-/// meanwhile waits for such transactions to end. An idle round locks
-/// nothing.
+/// Locks, until the transaction ends, the relay cursors of at most
+/// [`RELAY_PARTITIONS_PER_ROUND`] partitions with rows above them, of every
+/// partition (`$1` null) or of those in the array `$1`; returns those
+/// partitions. `$2` is the outbox lock's name ([`outbox_lock_name`]): a
+/// cursor's lock is `(hashtext($2), -1 - partition)`, beside the
+/// partition's outbox lock `(hashtext($2), partition)` and never equal to
+/// any outbox lock (partitions are not negative). Taken in partition
+/// order. A relay that takes a partition over waits here for the previous
+/// owner's round to end, keeping per-aggregate order. Advisory locks, not
+/// `FOR UPDATE`: a row lock gives the transaction an id, which it would
+/// keep while the sink is sent to, and every logical slot created in the
+/// cluster meanwhile waits for such transactions to end. An idle round
+/// locks nothing.
 pub fn relay_lock_sql(schema: &str) -> String {
     let s = qi(schema);
     format!(
-        "SELECT p.partition, pg_advisory_xact_lock(hashtext($2), p.partition)::text \
-         FROM (SELECT partition FROM {s}.\"relay_cursor\" c \
-         WHERE ($1::int4[] IS NULL OR partition = ANY($1)) \
-         AND EXISTS (SELECT 1 FROM {s}.\"outbox_row\" WHERE {ABOVE_CURSOR}) \
+        "SELECT p.partition, pg_advisory_xact_lock(hashtext($2), -1 - p.partition)::text \
+         FROM (SELECT partition FROM (SELECT partition FROM \
+         (SELECT c.partition, (SELECT id FROM {s}.\"outbox_row\" WHERE {ABOVE_CURSOR} \
+         ORDER BY partition, id LIMIT 1) AS first \
+         FROM {s}.\"relay_cursor\" c WHERE ($1::int4[] IS NULL OR c.partition = ANY($1)) OFFSET 0) f \
+         WHERE f.first IS NOT NULL ORDER BY f.first LIMIT {RELAY_PARTITIONS_PER_ROUND}) a \
          ORDER BY partition OFFSET 0) p"
     )
 }

@@ -118,6 +118,9 @@ pub struct Pipeline<'a> {
     base_yaml: String,
     procs: Vec<Proc>,
     rng: StdRng,
+    /// Draws `records_per_message` only, so that drawing it leaves the
+    /// fault schedule of a seed as it was before it was varied.
+    pack_rng: StdRng,
     /// Kill order: every kind once per round, shuffled.
     round: Vec<String>,
     zombie: Option<Zombie>,
@@ -150,6 +153,7 @@ impl<'a> Pipeline<'a> {
                 })
                 .collect(),
             rng: StdRng::seed_from_u64(seed),
+            pack_rng: StdRng::seed_from_u64(seed ^ 0x7061_636b),
             round: vec![],
             zombie: None,
             started: Instant::now(),
@@ -198,16 +202,19 @@ impl<'a> Pipeline<'a> {
         self.figures.batch_changes_used.push(changes);
         if self.transport == Transport::Kafka {
             let records = *BATCH_RECORDS.choose(&mut self.rng).unwrap();
-            let pack = *RECORDS_PER_MESSAGE.choose(&mut self.rng).unwrap();
+            let pack = *RECORDS_PER_MESSAGE.choose(&mut self.pack_rng).unwrap();
+            let line = "  records_per_message: 1000\n";
+            assert!(
+                yaml.contains(line),
+                "the Kafka config no longer says `{}`: the chaos harness cannot vary it",
+                line.trim()
+            );
             yaml = yaml
                 .replace(
                     "  relay_in_apply: false\n",
                     &format!("  relay_in_apply: false\n  max_batch_records: {records}\n"),
                 )
-                .replace(
-                    "  records_per_message: 1000\n",
-                    &format!("  records_per_message: {pack}\n"),
-                );
+                .replace(line, &format!("  records_per_message: {pack}\n"));
             self.figures.batch_records_used.push(records);
             self.figures.records_per_message_used.push(pack);
         }

@@ -265,8 +265,8 @@ pub async fn run(t: Transport) {
     );
     report += &format!("  state dir deletions        {}\n", f.state_wipes);
     report += &format!(
-        "  config rewrites            {} (max_batch_changes {:?}, max_batch_records {:?}, \
-         records_per_message {:?})\n",
+        "  config rewrites            {} (drawn for whichever process started next: \
+         max_batch_changes {:?}, max_batch_records {:?}, records_per_message {:?})\n",
         f.rewrites, f.batch_changes_used, f.batch_records_used, f.records_per_message_used
     );
     report += &format!(

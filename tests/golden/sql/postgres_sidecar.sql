@@ -1,4 +1,4 @@
--- skein sidecar schema, version 7.
+-- skein sidecar schema, version 8.
 CREATE SCHEMA IF NOT EXISTS "skein";
 
 CREATE TABLE IF NOT EXISTS "skein"."schema_version" (
@@ -215,4 +215,9 @@ CREATE TABLE IF NOT EXISTS "skein"."identifier_mapping" (
   UNIQUE ("entity", "global_id")
 );
 
-INSERT INTO "skein"."schema_version" ("version") VALUES (7) ON CONFLICT DO NOTHING;
+-- Version 8 changes no table: the relay locks the cursors it moves with
+-- advisory locks instead of FOR UPDATE (it holds no transaction id while it
+-- sends). A version-7 relay and a version-8 one do not exclude each other,
+-- so every process of a pipeline is upgraded together; one of version 7
+-- started after this migration refuses the sidecar.
+INSERT INTO "skein"."schema_version" ("version") VALUES (8) ON CONFLICT DO NOTHING;

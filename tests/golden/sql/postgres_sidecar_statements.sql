@@ -59,8 +59,8 @@ SELECT max(version) FROM "skein"."schema_version";
 -- pending outbox
 SELECT count(*), coalesce(extract(epoch FROM now() - min(o.enqueued_at)) * 1000, 0)::int8 FROM "skein"."relay_cursor" c CROSS JOIN LATERAL (SELECT enqueued_at FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) OFFSET 0) o;
 
--- relay: lock the cursors with rows above them, all partitions ($1 null) or owned ones ($2 = 'skein.relay_cursor.skein')
-SELECT p.partition, pg_advisory_xact_lock(hashtext($2), p.partition)::text FROM (SELECT partition FROM "skein"."relay_cursor" c WHERE ($1::int4[] IS NULL OR partition = ANY($1)) AND EXISTS (SELECT 1 FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807)) ORDER BY partition OFFSET 0) p;
+-- relay: lock the cursors with rows above them, all partitions ($1 null) or owned ones ($2 = 'skein.outbox.skein')
+SELECT p.partition, pg_advisory_xact_lock(hashtext($2), -1 - p.partition)::text FROM (SELECT partition FROM (SELECT partition FROM (SELECT c.partition, (SELECT id FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT 1) AS first FROM "skein"."relay_cursor" c WHERE ($1::int4[] IS NULL OR c.partition = ANY($1)) OFFSET 0) f WHERE f.first IS NOT NULL ORDER BY f.first LIMIT 64) a ORDER BY partition OFFSET 0) p;
 
 -- relay: the rows above the locked cursors ($2)
 SELECT o.partition, o.id, o.entity, o.event FROM "skein"."relay_cursor" c CROSS JOIN LATERAL (SELECT partition, id, entity, event FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT $1) o WHERE c.partition = ANY($2) ORDER BY o.id LIMIT $1;

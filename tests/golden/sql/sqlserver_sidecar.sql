@@ -1,4 +1,4 @@
--- skein sidecar schema (T-SQL), version 7.
+-- skein sidecar schema (T-SQL), version 8.
 IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
 
 IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
@@ -172,5 +172,5 @@ CREATE TABLE [skein].[identifier_mapping] (
   UNIQUE ([entity], [global_id])
 );
 
-IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 7)
-    INSERT INTO [skein].[schema_version] ([version]) VALUES (7);
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 8)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (8);
