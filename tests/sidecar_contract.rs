@@ -571,18 +571,18 @@ impl Sink for Held {
     }
 }
 
-/// While the relay waits on its sink (a slow broker, an outage it sits
-/// out) its transaction holds no transaction id. One that did would hold
-/// up every logical replication slot created in the cluster meanwhile
-/// (PostgreSQL waits for the transactions running when a slot is created
-/// to end): with the sidecar beside the source, an extractor's first start
-/// would hang, silently, for as long as the sink does.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_relay_waiting_on_its_sink_holds_up_no_slot_creation() {
-    let (url, mut sc) = sidecar_with_batches("skein_t_contract_relay_xid", 1).await;
+/// Starts a relay round of every partition on `sc` whose sink holds its
+/// send; returns once the send began, with the round and the sender that
+/// lets the send go on.
+async fn hold_a_relay_round(
+    mut sc: PgSidecar,
+) -> (
+    tokio::task::JoinHandle<skein_applier::Result<usize>>,
+    std::sync::mpsc::Sender<()>,
+) {
     let (began_tx, began) = std::sync::mpsc::channel();
     let (go, go_rx) = std::sync::mpsc::channel();
-    let relay = tokio::spawn(async move {
+    let round = tokio::spawn(async move {
         let mut sink = Held {
             began: began_tx,
             go: go_rx,
@@ -592,6 +592,19 @@ async fn a_relay_waiting_on_its_sink_holds_up_no_slot_creation() {
     tokio::task::spawn_blocking(move || began.recv().unwrap())
         .await
         .unwrap();
+    (round, go)
+}
+
+/// While the relay waits on its sink (a slow broker, an outage it sits
+/// out) its transaction holds no transaction id. One that did would hold
+/// up every logical replication slot created in the cluster meanwhile
+/// (PostgreSQL waits for the transactions running when a slot is created
+/// to end): with the sidecar beside the source, an extractor's first start
+/// would hang, silently, for as long as the sink does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_waiting_on_its_sink_holds_up_no_slot_creation() {
+    let (url, sc) = sidecar_with_batches("skein_t_contract_relay_xid", 1).await;
+    let (relay, go) = hold_a_relay_round(sc).await;
     let db = connect(url.expose()).await;
     db.batch_execute("SET statement_timeout = '10s'")
         .await
@@ -680,20 +693,9 @@ async fn a_relay_taking_a_partition_over_sends_nothing_twice() {
         )
         .await
         .unwrap();
-    let mut first = PgSidecar::connect(&url, "skein").await.unwrap();
+    let first = PgSidecar::connect(&url, "skein").await.unwrap();
     let mut second = PgSidecar::connect(&url, "skein").await.unwrap();
-    let (began_tx, began) = std::sync::mpsc::channel();
-    let (go, go_rx) = std::sync::mpsc::channel();
-    let held = tokio::spawn(async move {
-        let mut sink = Held {
-            began: began_tx,
-            go: go_rx,
-        };
-        relay_once(&mut first, &mut sink, 10, &RelayScope::All).await
-    });
-    tokio::task::spawn_blocking(move || began.recv().unwrap())
-        .await
-        .unwrap();
+    let (held, go) = hold_a_relay_round(first).await;
     let late = Collect::default();
     let mut late_sink = late.clone();
     let taker =
