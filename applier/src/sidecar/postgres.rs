@@ -582,50 +582,59 @@ impl Sidecar for PgSidecar {
         let (tx, s, statements) = self.begin("beginning the relay transaction").await?;
         // Prepared once per connection, like the batch's statements: a relay
         // woken by every batch commit runs many small rounds.
-        let what = "locking the relay cursors";
+        // Both statements go out in one round trip. The select runs after
+        // the locks are granted (statements of a session run in turn) and,
+        // READ COMMITTED, sees the cursors as a previous owner's round left
+        // them; its rows of partitions the first did not lock (rows that
+        // arrived in between, or past the partitions a round takes) wait
+        // for the next round.
+        let (lock_what, what) = ("locking the relay cursors", "reading the outbox");
         let lock = statements
-            .prepared(&tx, &sc::relay_lock_sql(s), what)
+            .prepared(&tx, &sc::relay_lock_sql(s), lock_what)
             .await?;
-        let locked: Vec<i32> = tx
-            .query(&lock, &[&partitions, &sc::outbox_lock_name(s)])
-            .await
-            .map_err(db(what))?
-            .iter()
-            .map(|r| r.try_get(0))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(db(what))?;
-        if locked.is_empty() {
-            return Ok(0);
-        }
-        let what = "reading the outbox";
         let select = statements
             .prepared(&tx, &sc::relay_select_sql(s), what)
             .await?;
-        let rows = tx
-            .query(&select, &[&limit, &locked])
-            .await
-            .map_err(db(what))?;
-        if rows.is_empty() {
+        let lock_name = sc::outbox_lock_name(s);
+        let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
+            [&partitions, &lock_name];
+        let select_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&limit, &partitions];
+        let (locked, rows) = tokio::join!(
+            tx.query(&lock, &lock_params),
+            tx.query(&select, &select_params)
+        );
+        let locked: Vec<i32> = locked
+            .map_err(db(lock_what))?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(db(lock_what))?;
+        let rows = rows.map_err(db(what))?;
+        if locked.is_empty() || rows.is_empty() {
             return Ok(0);
         }
         // `try_get`: a column of another type (a hand-altered outbox) is an
         // error naming the row, not a panic in the relay.
         let mut cursors: Vec<(i32, i64)> = vec![];
-        let events = rows
-            .iter()
-            .map(|r| {
-                let partition: i32 = r
-                    .try_get(0)
-                    .map_err(db("reading an outbox row's partition"))?;
-                let e = SinkEvent {
-                    outbox_id: r.try_get(1).map_err(db("reading an outbox row's id"))?,
-                    entity: r.try_get(2).map_err(db("reading an outbox row's entity"))?,
-                    event: r.try_get(3).map_err(db("reading an outbox row's event"))?,
-                };
-                super::advance_cursor(&mut cursors, partition, e.outbox_id);
-                Ok(e)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut events = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let partition: i32 = r
+                .try_get(0)
+                .map_err(db("reading an outbox row's partition"))?;
+            if !locked.contains(&partition) {
+                continue;
+            }
+            let e = SinkEvent {
+                outbox_id: r.try_get(1).map_err(db("reading an outbox row's id"))?,
+                entity: r.try_get(2).map_err(db("reading an outbox row's entity"))?,
+                event: r.try_get(3).map_err(db("reading an outbox row's event"))?,
+            };
+            super::advance_cursor(&mut cursors, partition, e.outbox_id);
+            events.push(e);
+        }
+        if events.is_empty() {
+            return Ok(0);
+        }
         let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
         super::send_claimed(sink, &ids, &events)?;
         failpoint("relay.after_send_before_mark");

@@ -285,19 +285,20 @@ pub fn relay_lock_sql(schema: &str) -> String {
     )
 }
 
-/// At most `$1` rows above the cursors of the partitions in the array
-/// `$2`, in id order; run after [`relay_lock_sql`] locked them, in a
-/// statement of its own, so it reads the cursors as a previous owner's
-/// round left them. A partition's rows above its cursor, taken in id
-/// order, are a prefix of what it has pending. Columns: partition, id,
-/// entity, event.
+/// At most `$1` rows above the cursors of every partition (`$2` null) or
+/// of the partitions in the array `$2`, in id order. Run right after
+/// [`relay_lock_sql`], in a statement of its own, so it reads the cursors
+/// it locked as a previous owner's round left them; the relay sends only
+/// the rows of the partitions that statement locked. A partition's rows
+/// above its cursor, taken in id order, are a prefix of what it has
+/// pending. Columns: partition, id, entity, event.
 pub fn relay_select_sql(schema: &str) -> String {
     let s = qi(schema);
     format!(
         "SELECT o.partition, o.id, o.entity, o.event FROM {s}.\"relay_cursor\" c CROSS JOIN LATERAL \
          (SELECT partition, id, entity, event FROM {s}.\"outbox_row\" \
          WHERE {ABOVE_CURSOR} ORDER BY partition, id LIMIT $1) o \
-         WHERE c.partition = ANY($2) \
+         WHERE ($2::int4[] IS NULL OR c.partition = ANY($2)) \
          ORDER BY o.id LIMIT $1"
     )
 }
