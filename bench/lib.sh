@@ -32,14 +32,17 @@ bench_db() {
   fi
 }
 
-# bench_config DB [EXTRACTOR]: the quickstart's embedded config in
-# $OUT/skein.yaml (CFG), slot and publication named DB, nothing on stdout,
-# EXTRACTOR (a YAML mapping) as its extractor section; then applies
+# bench_config DB [EXTRACTOR] [PARTITIONS]: the quickstart's embedded config
+# in $OUT/skein.yaml (CFG), slot and publication named DB, nothing on
+# stdout, EXTRACTOR (a YAML mapping) as its extractor section, PARTITIONS
+# transport partitions (the quickstart's 4 if empty); then applies
 # `skein sql source` and `skein sidecar migrate` to it.
 bench_config() {
   CFG=$OUT/skein.yaml
   sed -e "s/skein_quickstart/$1/g" -e 's/also_stdout: true/also_stdout: false/' \
+    -e "s/^  partitions: 4\$/  partitions: ${3:-4}/" \
     examples/quickstart/skein.yaml > "$CFG"
+  grep -q "^  partitions: ${3:-4}\$" "$CFG" || { echo "bench_config: no partitions line to set" >&2; return 1; }
   if [ -n "${2:-}" ]; then echo "extractor: $2" >> "$CFG"; fi
   $SKEIN sql source --config "$CFG" | src -f - >/dev/null
   $SKEIN sidecar migrate --config "$CFG" >/dev/null
