@@ -69,15 +69,20 @@ bench_pgbench() {
   echo $(( $(changes_so_far) - before ))
 }
 
-# bench_outbox_latency MIN_ID: "events p50 p99 max" of source commit ->
-# outbox insert, in ms, over outbox rows with id > MIN_ID.
+# bench_outbox_latency MIN_ID [SKIP_S]: "events p50 p99 max" of source
+# commit -> outbox insert, in ms, over outbox rows with id > MIN_ID; with
+# SKIP_S, only over those enqueued SKIP_S seconds or more after the first
+# of them (the steady state, past the catch-up after a start).
 bench_outbox_latency() {
   src -F' ' -c "
+    WITH o AS (SELECT enqueued_at, extract(epoch FROM enqueued_at - commit_time) AS l
+               FROM skein.outbox WHERE id > $1),
+         s AS (SELECT min(enqueued_at) + ${2:-0} * interval '1 second' AS t FROM o)
     SELECT count(*),
-           round(1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM enqueued_at - commit_time))::numeric, 1),
-           round(1000 * percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM enqueued_at - commit_time))::numeric, 1),
-           round(1000 * max(extract(epoch FROM enqueued_at - commit_time))::numeric, 1)
-    FROM skein.outbox WHERE id > $1"
+           round(1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY l)::numeric, 1),
+           round(1000 * percentile_cont(0.99) WITHIN GROUP (ORDER BY l)::numeric, 1),
+           round(1000 * max(l)::numeric, 1)
+    FROM o, s WHERE o.enqueued_at >= s.t"
 }
 
 peak_rss_mib() { awk '/VmHWM/ {printf "%d", $2 / 1024}' "/proc/$1/status"; }
