@@ -1430,30 +1430,42 @@ async fn a_rejected_pack_fails_the_packs_after_it() {
     a_rejected_change_message_fails_the_ones_after_it(1000).await;
 }
 
-/// A message the broker rejects, `per` records a message.
-async fn a_rejected_change_message_fails_the_ones_after_it(per: usize) {
+/// A noida-db broker of its own (tansu does not enforce
+/// `max.message.bytes`) and a one-partition topic named after `name`
+/// whose `max.message.bytes` is `limit`: the broker's guard, its
+/// address, the topic and a client config for it.
+async fn noida_topic_limited_to(
+    name: &str,
+    limit: usize,
+) -> (impl Drop, String, String, rdkafka::config::ClientConfig) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     use rdkafka::client::DefaultClientContext;
-    use skein_transporter::kafka::{client_config, KafkaTransport};
-    use skein_transporter::Transport;
+    use skein_transporter::kafka::client_config;
 
-    // noida: tansu does not enforce `max.message.bytes`.
     let port = free_port();
-    let _broker = start_broker("noida", port);
+    let broker = start_broker("noida", port);
     let brokers = format!("127.0.0.1:{port}");
-    let topic = fresh_topic("rejected_change");
+    let topic = fresh_topic(name);
     let kc = client_config(&brokers, &Default::default());
     let admin: AdminClient<DefaultClientContext> = kc.create().unwrap();
-    let created =
-        admin
-            .create_topics(
-                &[NewTopic::new(&topic, 1, TopicReplication::Fixed(1))
-                    .set("max.message.bytes", "400")],
-                &AdminOptions::new(),
-            )
-            .await
-            .unwrap();
+    let created = admin
+        .create_topics(
+            &[NewTopic::new(&topic, 1, TopicReplication::Fixed(1))
+                .set("max.message.bytes", &limit.to_string())],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
     assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+    (broker, brokers, topic, kc)
+}
+
+/// A message the broker rejects, `per` records a message.
+async fn a_rejected_change_message_fails_the_ones_after_it(per: usize) {
+    use skein_transporter::kafka::KafkaTransport;
+    use skein_transporter::Transport;
+
+    let (_broker, brokers, topic, kc) = noida_topic_limited_to("rejected_change", 400).await;
     let transport = KafkaTransport::new(&kc, &topic, 1, per).unwrap();
     transport.send(one_record_batch(1, 0)).await.unwrap();
     // Too large for the broker; the next one, in its own request, is not.
@@ -1474,6 +1486,41 @@ async fn a_rejected_change_message_fails_the_ones_after_it(per: usize) {
         keys,
         vec![one_record_batch(1, 0).records[0].transport_key()],
         "partition 0 holds nothing after the rejected record"
+    );
+}
+
+/// A topic whose own `max.message.bytes` is low (here 2,000 bytes) takes
+/// every message that fits: the producer's record batches are made no
+/// larger (the limit bounds a whole batch, and librdkafka's `batch.size`
+/// is 1,000,000) and packs close at half of it. Otherwise the broker
+/// rejected full batches and large packs, and the extractor stopped at the
+/// same batch at every start. Each record fits; twenty in one pack do not.
+#[tokio::test(flavor = "multi_thread")]
+async fn packs_fit_the_topics_max_message_bytes() {
+    use skein_transporter::kafka::KafkaTransport;
+    use skein_transporter::Transport;
+
+    let (_broker, brokers, topic, kc) = noida_topic_limited_to("pack_limit", 2000).await;
+    let transport = KafkaTransport::for_topic(&kc, &topic, 1, 1000)
+        .await
+        .unwrap();
+    let mut batch = one_record_batch(1, 0);
+    batch.records = (1..=20u64)
+        .map(|k| {
+            let mut r = one_record_batch(k, 150).records.remove(0);
+            r.position.commit = batch.upper;
+            r.position.seq = k;
+            r
+        })
+        .collect();
+    let expected: Vec<String> = batch.records.iter().map(|r| r.transport_key()).collect();
+    let acked = tokio::time::timeout(Duration::from_secs(30), transport.send(batch))
+        .await
+        .expect("acknowledged or failed within 30 s");
+    assert!(acked.is_ok(), "a pack over the topic's limit: {acked:?}");
+    assert_eq!(
+        keys_of_partition_0(&brokers, &topic, 20, Duration::from_secs(10)),
+        expected
     );
 }
 

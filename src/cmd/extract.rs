@@ -44,7 +44,8 @@ pub async fn extract(cfg: Config) -> anyhow::Result<()> {
         Ok(vec![])
     })
     .await?;
-    let transport = KafkaTransport::new(&kc, topic, k.partitions, k.records_per_message)?;
+    let transport =
+        KafkaTransport::for_topic(&kc, topic, k.partitions, k.records_per_message).await?;
     super::explicit::plan_initial_load(&cfg, first_start && floor.is_none()).await?;
     let mut source = AnySource::connect(&cfg).await?;
     let loading = tokio::spawn(super::explicit::initial_load(

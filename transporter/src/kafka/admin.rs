@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -17,6 +17,44 @@ use tracing::{info, warn};
 
 use super::codec::decode_message;
 use super::{kafka, KafkaTransportError};
+
+/// The topic's own `max.message.bytes`, as the broker describes it; `None`
+/// when the broker does not say (an error or no such entry is logged, not
+/// raised: packs then close at their default size).
+pub async fn topic_max_message_bytes(config: &ClientConfig, topic: &str) -> Option<usize> {
+    let admin: AdminClient<DefaultClientContext> = match config.create() {
+        Ok(a) => a,
+        Err(e) => {
+            warn!(topic, error = %e, "cannot read the topic's max.message.bytes");
+            return None;
+        }
+    };
+    let described = admin
+        .describe_configs(
+            &[ResourceSpecifier::Topic(topic)],
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(15))),
+        )
+        .await;
+    let value = match described.as_deref() {
+        Ok([Ok(resource)]) => resource
+            .get("max.message.bytes")
+            .and_then(|e| e.value.clone()),
+        other => {
+            warn!(topic, answer = ?other.map(|r| r.len()), "the broker did not describe the topic's max.message.bytes");
+            None
+        }
+    }?;
+    match value.trim().parse::<usize>() {
+        Ok(n) => Some(n),
+        Err(_) => {
+            warn!(
+                topic,
+                value, "the topic's max.message.bytes is not a number"
+            );
+            None
+        }
+    }
+}
 
 /// Creates `topic` with `partitions` partitions when it is missing, and
 /// checks the partition count of an existing one; returns the count it has.

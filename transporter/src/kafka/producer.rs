@@ -61,6 +61,9 @@ const FATAL_CHECK: Duration = Duration::from_secs(1);
 /// of that.
 pub const MAX_PACK_BYTES: usize = 256 * 1024;
 
+/// librdkafka's default `batch.size`: most bytes of one record batch.
+const LIBRDKAFKA_BATCH_SIZE: usize = 1_000_000;
+
 /// The bytes of records a pack closes at under `config`: [`MAX_PACK_BYTES`],
 /// or half the producer's `message.max.bytes` when that is less.
 fn pack_bytes(config: &ClientConfig) -> usize {
@@ -100,6 +103,43 @@ impl KafkaTransport {
             records_per_message: records_per_message.max(1),
             pack_bytes: pack_bytes(&c),
         })
+    }
+
+    /// [`KafkaTransport::new`] fitted to the topic's own
+    /// `max.message.bytes` (read from the broker), which bounds a record
+    /// batch, not only a message: when it is below librdkafka's
+    /// `batch.size` (1,000,000 by default) the producer's batches are made
+    /// no larger, and packs close at half of it. A topic an operator set
+    /// lower would otherwise reject full batches and large packs, at every
+    /// start from the same marker. A single record larger than the limit
+    /// is still rejected (a record is never split).
+    pub async fn for_topic(
+        config: &ClientConfig,
+        topic: &str,
+        partitions: u32,
+        records_per_message: usize,
+    ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
+        let limit = super::admin::topic_max_message_bytes(config, topic).await;
+        let mut c = config.clone();
+        if let Some(limit) = limit {
+            let batch = c
+                .get("batch.size")
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(LIBRDKAFKA_BATCH_SIZE);
+            if limit < batch {
+                tracing::info!(
+                    topic,
+                    max_message_bytes = limit,
+                    "the producer's batches and packs fit the topic's max.message.bytes"
+                );
+                c.set("batch.size", limit.to_string());
+            }
+        }
+        let mut t = KafkaTransport::new(&c, topic, partitions, records_per_message)?;
+        if let Some(limit) = limit {
+            t.pack_bytes = t.pack_bytes.min((limit / 2).max(1));
+        }
+        Ok(t)
     }
 
     async fn produce(&self, partition: u32, key: &str, payload: &[u8]) -> Result<DeliveryFuture> {
