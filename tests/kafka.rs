@@ -1504,24 +1504,43 @@ async fn packs_fit_the_topics_max_message_bytes() {
     let transport = KafkaTransport::for_topic(&kc, &topic, 1, 1000)
         .await
         .unwrap();
-    let mut batch = one_record_batch(1, 0);
-    batch.records = (1..=20u64)
-        .map(|k| {
-            let mut r = one_record_batch(k, 150).records.remove(0);
-            r.position.commit = batch.upper;
-            r.position.seq = k;
-            r
-        })
-        .collect();
-    let expected: Vec<String> = batch.records.iter().map(|r| r.transport_key()).collect();
-    let acked = tokio::time::timeout(Duration::from_secs(30), transport.send(batch))
-        .await
-        .expect("acknowledged or failed within 30 s");
-    assert!(acked.is_ok(), "a pack over the topic's limit: {acked:?}");
-    assert_eq!(
-        keys_of_partition_0(&brokers, &topic, 20, Duration::from_secs(10)),
-        expected
+    // Sends batch `seq` of the records keyed `keys`, each padded by `pad`;
+    // returns their keys.
+    let send = async |seq: u64, keys: std::ops::RangeInclusive<u64>, pad: usize| {
+        let mut batch = one_record_batch(seq, 0);
+        batch.records = keys
+            .map(|k| {
+                let mut r = one_record_batch(k, pad).records.remove(0);
+                r.position.commit = batch.upper;
+                r.position.seq = k;
+                r
+            })
+            .collect();
+        let keys: Vec<String> = batch.records.iter().map(|r| r.transport_key()).collect();
+        let acked = tokio::time::timeout(Duration::from_secs(30), transport.send(batch))
+            .await
+            .expect("acknowledged or failed within 30 s");
+        assert!(acked.is_ok(), "a pack over the topic's limit: {acked:?}");
+        keys
+    };
+    let expected = send(1, 1..=20, 150).await;
+    // Records of just under half the limit (1,000 bytes): one fits, two
+    // do not. A pack that closed only once its records reached 1,000
+    // bytes took two, about 2,000 bytes and its framing: over the limit.
+    let size = |pad: usize| {
+        let mut p = skein_transporter::kafka::codec::PackBuf::default();
+        p.push(&one_record_batch(21, pad).records[0]);
+        p.bytes()
+    };
+    let pad = (0..2000).find(|&pad| size(pad) >= 990).unwrap();
+    assert!(
+        size(pad) < 1000,
+        "no pad gives a record of 990 to 999 bytes"
     );
+    let expected_big = send(2, 21..=26, pad).await;
+    let all = keys_of_partition_0(&brokers, &topic, 26, Duration::from_secs(10));
+    assert_eq!(all[..20], expected[..]);
+    assert_eq!(all[20..], expected_big[..]);
 }
 
 /// The harness's "caught up" check ([`Env::kafka_caught_up`]) sees a record

@@ -677,6 +677,44 @@ async fn a_relay_round_takes_the_64_partitions_waiting_longest() {
     assert_eq!(partitions(&second), (0..6).collect::<Vec<_>>());
 }
 
+/// With more partitions pending than a round takes, a round still fills
+/// its limit from the partitions it took: their rows are read, not the
+/// oldest rows of every partition (which the relay would then have to
+/// leave, sending a short round and idling until the next wake).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_round_past_64_partitions_fills_its_limit() {
+    let url = pg_db("skein_t_contract_relay_full").await;
+    let mut sc = PgSidecar::connect(&url, "skein").await.unwrap();
+    sc.migrate().await.unwrap();
+    // Two passes over partitions 69 to 0, one row each: ids 1-70 are the
+    // first rows (partition 69 first), ids 71-140 the second ones.
+    for pass in 0..2u32 {
+        for p in (0..70u32).rev() {
+            let n = 1000 * (pass + 1) + p;
+            let mut b = batch(
+                (pass == 1).then_some(10),
+                10 * i128::from(pass + 1),
+                pg_lsn(u8::try_from(pass).unwrap() + 1),
+                n,
+                n,
+            );
+            b.partition = p;
+            b.outbox.truncate(1);
+            sc.commit(&b).await.unwrap();
+        }
+    }
+    // The round takes partitions 69 to 6 (oldest first rows): 128 rows.
+    // Read by id over every partition, the first 100 held only 94 of them.
+    let sink = Collect::default();
+    let sent = relay_once(&mut sc, &mut sink.clone(), 100, &RelayScope::All)
+        .await
+        .unwrap();
+    assert_eq!(
+        sent, 100,
+        "a round of 64 partitions with 128 rows pending sent {sent}"
+    );
+}
+
 /// A relay that takes a partition over waits for the previous owner's
 /// round, then reads the cursor that round moved: it sends nothing twice,
 /// also where the database's default isolation is REPEATABLE READ (a

@@ -405,11 +405,14 @@ impl Sidecar for PgSidecar {
                 [&(dyn tokio_postgres::types::ToSql + Sync); 2],
                 [&(dyn tokio_postgres::types::ToSql + Sync); 1],
             ) = ([&lock_name, &partition], [&partition]);
-            let (locked, cursor, floor) = tokio::join!(
+            // `future::join3` polls them in this order, so they are sent
+            // in it: the cursor and the floor are read under the lock.
+            let (locked, cursor, floor) = futures_util::future::join3(
                 tx.execute(&outbox_lock, &lock_params),
                 tx.execute(&cursor_ensure, &partition_param),
                 tx.query_one(&outbox_floor, &partition_param),
-            );
+            )
+            .await;
             locked.map_err(db(what_lock))?;
             cursor.map_err(db(what_cursor))?;
             let floor: Option<i64> = floor.map_err(db(what_floor))?.get(0);
@@ -582,12 +585,12 @@ impl Sidecar for PgSidecar {
         let (tx, s, statements) = self.begin("beginning the relay transaction").await?;
         // Prepared once per connection, like the batch's statements: a relay
         // woken by every batch commit runs many small rounds.
-        // Both statements go out in one round trip. The select runs after
-        // the locks are granted (statements of a session run in turn) and,
-        // READ COMMITTED, sees the cursors as a previous owner's round left
-        // them; its rows of partitions the first did not lock (rows that
-        // arrived in between, or past the partitions a round takes) wait
-        // for the next round.
+        // Both statements go out in one round trip, the lock first. The
+        // session runs the select once the locks are granted (a session's
+        // statements run in turn) and, READ COMMITTED, it sees the cursors
+        // as a previous owner's round left them; its rows of a partition
+        // the lock statement did not take (written or relayed in between)
+        // wait for the next round.
         let (lock_what, what) = ("locking the relay cursors", "reading the outbox");
         let lock = statements
             .prepared(&tx, &sc::relay_lock_sql(s), lock_what)
@@ -598,11 +601,13 @@ impl Sidecar for PgSidecar {
         let lock_name = sc::outbox_lock_name(s);
         let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
             [&partitions, &lock_name];
-        let select_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&limit, &partitions];
-        let (locked, rows) = tokio::join!(
+        let select_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&partitions, &limit];
+        // `future::join` polls the lock first, so it is sent first.
+        let (locked, rows) = futures_util::future::join(
             tx.query(&lock, &lock_params),
-            tx.query(&select, &select_params)
-        );
+            tx.query(&select, &select_params),
+        )
+        .await;
         let locked: Vec<i32> = locked
             .map_err(db(lock_what))?
             .iter()

@@ -259,47 +259,58 @@ pub fn relay_cursor_ensure_sql(schema: &str) -> String {
 /// starves.
 pub const RELAY_PARTITIONS_PER_ROUND: i64 = 64;
 
-/// Locks, until the transaction ends, the relay cursors of at most
-/// [`RELAY_PARTITIONS_PER_ROUND`] partitions with rows above them, of every
-/// partition (`$1` null) or of those in the array `$1`; returns those
-/// partitions. `$2` is the outbox lock's name ([`outbox_lock_name`]): a
-/// cursor's lock is `(hashtext($2), -1 - partition)`, beside the
-/// partition's outbox lock `(hashtext($2), partition)` and never equal to
-/// any outbox lock (partitions are not negative). Taken in partition
-/// order. A relay that takes a partition over waits here for the previous
-/// owner's round to end, keeping per-aggregate order. Advisory locks, not
-/// `FOR UPDATE`: a row lock gives the transaction an id, which it would
-/// keep while the sink is sent to, and every logical slot created in the
-/// cluster meanwhile waits for such transactions to end. An idle round
-/// locks nothing.
-pub fn relay_lock_sql(schema: &str) -> String {
-    let s = qi(schema);
+/// The relay cursors of every partition (`$1` null) or of the partitions in
+/// the array `$1` that have rows above them, at most
+/// [`RELAY_PARTITIONS_PER_ROUND`], those whose oldest pending row is oldest
+/// first: a subquery of [`relay_lock_sql`] and [`relay_select_sql`], with
+/// columns `partition`, `last_id`.
+fn relay_round_cursors(s: &str) -> String {
     format!(
-        "SELECT p.partition, pg_advisory_xact_lock(hashtext($2), -1 - p.partition)::text \
-         FROM (SELECT partition FROM (SELECT partition FROM \
-         (SELECT c.partition, (SELECT id FROM {s}.\"outbox_row\" WHERE {ABOVE_CURSOR} \
+        "SELECT partition, last_id FROM \
+         (SELECT c.partition, c.last_id, (SELECT id FROM {s}.\"outbox_row\" WHERE {ABOVE_CURSOR} \
          ORDER BY partition, id LIMIT 1) AS first \
          FROM {s}.\"relay_cursor\" c WHERE ($1::int4[] IS NULL OR c.partition = ANY($1)) OFFSET 0) f \
-         WHERE f.first IS NOT NULL ORDER BY f.first LIMIT {RELAY_PARTITIONS_PER_ROUND}) a \
-         ORDER BY partition OFFSET 0) p"
+         WHERE f.first IS NOT NULL ORDER BY f.first LIMIT {RELAY_PARTITIONS_PER_ROUND}"
     )
 }
 
-/// At most `$1` rows above the cursors of every partition (`$2` null) or
-/// of the partitions in the array `$2`, in id order. Run right after
-/// [`relay_lock_sql`], in a statement of its own, so it reads the cursors
-/// it locked as a previous owner's round left them; the relay sends only
-/// the rows of the partitions that statement locked. A partition's rows
-/// above its cursor, taken in id order, are a prefix of what it has
-/// pending. Columns: partition, id, entity, event.
+/// Locks, until the transaction ends, the relay cursors a round takes
+/// ([`relay_round_cursors`]), in partition order, and returns their
+/// partitions. `$2` is the outbox lock's name ([`outbox_lock_name`]): a
+/// cursor's lock is `(hashtext($2), -1 - partition)`, beside the
+/// partition's outbox lock `(hashtext($2), partition)` and never equal to
+/// any outbox lock (partitions are not negative). A relay that takes a
+/// partition over waits here for the previous owner's round to end,
+/// keeping per-aggregate order. Advisory locks, not `FOR UPDATE`: a row
+/// lock gives the transaction an id, which it would keep while the sink is
+/// sent to, and every logical slot created in the cluster meanwhile waits
+/// for such transactions to end. An idle round locks nothing.
+pub fn relay_lock_sql(schema: &str) -> String {
+    let s = qi(schema);
+    let cursors = relay_round_cursors(&s);
+    format!(
+        "SELECT p.partition, pg_advisory_xact_lock(hashtext($2), -1 - p.partition)::text \
+         FROM (SELECT partition FROM ({cursors}) a ORDER BY partition OFFSET 0) p"
+    )
+}
+
+/// At most `$2` rows above the cursors a round takes
+/// ([`relay_round_cursors`], `$1` as there), in id order. Sent in the same
+/// round trip as [`relay_lock_sql`], after it: the session runs it once
+/// the locks are granted, so (READ COMMITTED) it reads the cursors as a
+/// previous owner's round left them. The relay sends only the rows of the
+/// partitions the lock statement locked (the two choose the same
+/// partitions unless rows were relayed or written in between). A
+/// partition's rows above its cursor, taken in id order, are a prefix of
+/// what it has pending. Columns: partition, id, entity, event.
 pub fn relay_select_sql(schema: &str) -> String {
     let s = qi(schema);
+    let cursors = relay_round_cursors(&s);
     format!(
-        "SELECT o.partition, o.id, o.entity, o.event FROM {s}.\"relay_cursor\" c CROSS JOIN LATERAL \
+        "SELECT o.partition, o.id, o.entity, o.event FROM ({cursors}) c CROSS JOIN LATERAL \
          (SELECT partition, id, entity, event FROM {s}.\"outbox_row\" \
-         WHERE {ABOVE_CURSOR} ORDER BY partition, id LIMIT $1) o \
-         WHERE ($2::int4[] IS NULL OR c.partition = ANY($2)) \
-         ORDER BY o.id LIMIT $1"
+         WHERE {ABOVE_CURSOR} ORDER BY partition, id LIMIT $2) o \
+         ORDER BY o.id LIMIT $2"
     )
 }
 

@@ -184,6 +184,20 @@ impl PackBuf {
         self.count += 1;
     }
 
+    /// Appends `r` unless that takes the records of a pack holding some
+    /// already past `limit` bytes; returns whether it did (a record alone
+    /// always goes in).
+    pub fn push_within(&mut self, r: &ChangeRecord, limit: usize) -> bool {
+        let before = self.records.len();
+        put_record(&mut self.records, r);
+        if self.count > 0 && self.records.len() > limit {
+            self.records.truncate(before);
+            return false;
+        }
+        self.count += 1;
+        true
+    }
+
     /// How many records it holds.
     pub fn len(&self) -> usize {
         self.count

@@ -55,8 +55,9 @@ pub fn gapless_producer_config(config: &ClientConfig) -> ClientConfig {
 /// error.
 const FATAL_CHECK: Duration = Duration::from_secs(1);
 
-/// Most bytes of records a pack holds before it is sent: far below the
-/// message size brokers and librdkafka accept by default (about 1 MB).
+/// Most bytes of records a pack holds (unless a single record is larger):
+/// far below the message size brokers and librdkafka accept by default
+/// (about 1 MB).
 /// A producer whose `message.max.bytes` is set lower packs at most half
 /// of that.
 pub const MAX_PACK_BYTES: usize = 256 * 1024;
@@ -194,7 +195,13 @@ impl Transport for KafkaTransport {
             for r in &batch.records {
                 let partition = r.partition(self.partitions);
                 let buf = &mut packs[partition as usize];
-                buf.push(r);
+                // A pack's records stay within `pack_bytes` (one record
+                // larger than that travels alone).
+                if !buf.push_within(r, self.pack_bytes) {
+                    let payload = head.pack(buf);
+                    pending.push(self.produce(partition, "", &payload).await?);
+                    buf.push(r);
+                }
                 if buf.len() >= self.records_per_message || buf.bytes() >= self.pack_bytes {
                     let payload = head.pack(buf);
                     pending.push(self.produce(partition, "", &payload).await?);
