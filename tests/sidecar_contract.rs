@@ -631,10 +631,11 @@ async fn a_relay_waiting_on_its_sink_holds_up_no_slot_creation() {
     dropped.unwrap();
 }
 
-/// A relay round sends from at most 64 partitions (each one's cursor is
-/// an advisory lock, and those take slots of the server's shared lock
-/// table); the partitions whose oldest pending row is oldest go first, so
-/// the next round takes the rest.
+/// A relay round locks at most 64 partitions' cursors (advisory locks take
+/// slots of the server's shared lock table), those whose oldest pending
+/// row is oldest, so none starves; `relay_once` goes on with further
+/// rounds while one took 64, so its caller still sees a step short of its
+/// limit only when nothing more was visible.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_relay_round_takes_the_64_partitions_waiting_longest() {
     let url = pg_db("skein_t_contract_relay_wide").await;
@@ -647,34 +648,27 @@ async fn a_relay_round_takes_the_64_partitions_waiting_longest() {
         b.partition = p;
         sc.commit(&b).await.unwrap();
     }
-    let partitions = |sink: &Collect| -> Vec<u32> {
-        let mut ps: Vec<u32> = sink
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|e| {
-                let v: serde_json::Value = serde_json::from_str(&e.event).unwrap();
-                (u32::try_from(v["n"].as_u64().unwrap()).unwrap() - 1) / 2
-            })
-            .collect();
-        ps.dedup();
-        ps.sort_unstable();
-        ps.dedup();
-        ps
-    };
-    let first = Collect::default();
-    let sent = relay_once(&mut sc, &mut first.clone(), 1000, &RelayScope::All)
+    let db = connect(url.expose()).await;
+    let mut locked: Vec<i32> = db
+        .query(
+            &skein_sql::postgres::sidecar::relay_lock_sql("skein"),
+            &[&None::<Vec<i32>>, &"skein.outbox.skein"],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    locked.sort_unstable();
+    assert_eq!(locked, (6..70).collect::<Vec<_>>());
+    let sent = relay_once(&mut sc, &mut Collect::default(), 1000, &RelayScope::All)
         .await
         .unwrap();
-    assert_eq!(sent, 128);
-    assert_eq!(partitions(&first), (6..70).collect::<Vec<_>>());
-    let second = Collect::default();
-    let sent = relay_once(&mut sc, &mut second.clone(), 1000, &RelayScope::All)
+    assert_eq!(sent, 140, "the step went on past the first 64 partitions");
+    let sent = relay_once(&mut sc, &mut Collect::default(), 1000, &RelayScope::All)
         .await
         .unwrap();
-    assert_eq!(sent, 12);
-    assert_eq!(partitions(&second), (0..6).collect::<Vec<_>>());
+    assert_eq!(sent, 0);
 }
 
 /// With more partitions pending than a round takes, a round still fills

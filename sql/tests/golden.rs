@@ -642,7 +642,7 @@ fn postgres_sidecar_statements_are_frozen() {
             sc::relay_lock_sql(s),
         ),
         (
-            "relay: the rows above the cursors, all partitions ($2 null) or owned ones",
+            "relay: the rows above the cursors the round takes ($1 as above; $2 rows)",
             sc::relay_select_sql(s),
         ),
         ("relay: move the cursors", sc::relay_mark_sql(s)),

@@ -74,6 +74,95 @@ impl PgSidecar {
         Ok((tx, schema.as_str(), statements))
     }
 
+    /// One relay round, one transaction: the cursors of the partitions it
+    /// takes are locked (at most [`sc::RELAY_PARTITIONS_PER_ROUND`], see
+    /// [`Sidecar::relay_once`]); the rows above them are read, sent, and
+    /// each partition's cursor moved to the last one it sent. Returns how
+    /// many were sent and whether it took as many partitions as a round may.
+    async fn relay_round(
+        &mut self,
+        limit: i64,
+        partitions: Option<&[i32]>,
+        sink: &mut dyn Sink,
+    ) -> Result<(usize, bool)> {
+        let (tx, s, statements) = self.begin("beginning the relay transaction").await?;
+
+        // Prepared once per connection, like the batch's statements: a relay
+        // woken by every batch commit runs many small rounds.
+        // Both statements go out in one round trip, the lock first. The
+        // session runs the select once the locks are granted (a session's
+        // statements run in turn) and, READ COMMITTED, it sees the cursors
+        // as a previous owner's round left them; its rows of a partition
+        // the lock statement did not take (written or relayed in between)
+        // wait for the next round.
+        let (lock_what, what) = ("locking the relay cursors", "reading the outbox");
+        let lock = statements
+            .prepared(&tx, &sc::relay_lock_sql(s), lock_what)
+            .await?;
+        let select = statements
+            .prepared(&tx, &sc::relay_select_sql(s), what)
+            .await?;
+        let lock_name = sc::outbox_lock_name(s);
+        let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
+            [&partitions, &lock_name];
+        let select_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&partitions, &limit];
+        // `biased`: polled in this order, so the lock is sent first.
+        let (locked, rows) = tokio::join!(
+            biased;
+            tx.query(&lock, &lock_params),
+            tx.query(&select, &select_params),
+        );
+        let locked: Vec<i32> = locked
+            .map_err(db(lock_what))?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(db(lock_what))?;
+        let rows = rows.map_err(db(what))?;
+        let capped = locked.len() >= sc::RELAY_PARTITIONS_PER_ROUND as usize;
+        if locked.is_empty() || rows.is_empty() {
+            return Ok((0, capped));
+        }
+        // `try_get`: a column of another type (a hand-altered outbox) is an
+        // error naming the row, not a panic in the relay.
+        let mut cursors: Vec<(i32, i64)> = vec![];
+        let mut events = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let partition: i32 = r
+                .try_get(0)
+                .map_err(db("reading an outbox row's partition"))?;
+            if !locked.contains(&partition) {
+                continue;
+            }
+            let e = SinkEvent {
+                outbox_id: r.try_get(1).map_err(db("reading an outbox row's id"))?,
+                entity: r.try_get(2).map_err(db("reading an outbox row's entity"))?,
+                event: r.try_get(3).map_err(db("reading an outbox row's event"))?,
+            };
+            super::advance_cursor(&mut cursors, partition, e.outbox_id);
+            events.push(e);
+        }
+        if events.is_empty() {
+            return Ok((0, capped));
+        }
+        let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
+        super::send_claimed(sink, &ids, &events)?;
+        failpoint("relay.after_send_before_mark");
+        let (parts, last): (Vec<i32>, Vec<i64>) = cursors.into_iter().unzip();
+        statements
+            .execute(
+                &tx,
+                &sc::relay_mark_sql(s),
+                &[&parts, &last],
+                "moving the relay cursors",
+            )
+            .await?;
+        tx.commit()
+            .await
+            .map_err(db("committing the relay transaction"))?;
+        Ok((ids.len(), capped))
+    }
+
     /// The one progress row `sql` returns for `$1` group, `$2` topic, `$3`
     /// partition: position (text), source_commit, source_seq, epoch.
     async fn progress_row(
@@ -405,14 +494,14 @@ impl Sidecar for PgSidecar {
                 [&(dyn tokio_postgres::types::ToSql + Sync); 2],
                 [&(dyn tokio_postgres::types::ToSql + Sync); 1],
             ) = ([&lock_name, &partition], [&partition]);
-            // `future::join3` polls them in this order, so they are sent
-            // in it: the cursor and the floor are read under the lock.
-            let (locked, cursor, floor) = futures_util::future::join3(
+            // `biased`: polled, so sent, in this order: the cursor and the
+            // floor are read under the lock.
+            let (locked, cursor, floor) = tokio::join!(
+                biased;
                 tx.execute(&outbox_lock, &lock_params),
                 tx.execute(&cursor_ensure, &partition_param),
                 tx.query_one(&outbox_floor, &partition_param),
-            )
-            .await;
+            );
             locked.map_err(db(what_lock))?;
             cursor.map_err(db(what_cursor))?;
             let floor: Option<i64> = floor.map_err(db(what_floor))?.get(0);
@@ -570,9 +659,10 @@ impl Sidecar for PgSidecar {
         tx.commit().await.map_err(db("committing the replay"))
     }
 
-    /// The cursors of the partitions taken are locked for the round (see
-    /// [`Sidecar::relay_once`]); the rows above them are read, sent, and
-    /// each partition's cursor moved to the last one it sent.
+    /// Rounds of [`PgSidecar::relay_round`] while the last one took as many
+    /// partitions as a round may (more may be pending beyond them) and the
+    /// limit allows: a caller that takes a round short of its limit as
+    /// "everything visible was sent" stays right past 64 partitions.
     async fn relay_once(
         &mut self,
         limit: i64,
@@ -582,80 +672,15 @@ impl Sidecar for PgSidecar {
         if partitions.is_some_and(<[i32]>::is_empty) {
             return Ok(0);
         }
-        let (tx, s, statements) = self.begin("beginning the relay transaction").await?;
-        // Prepared once per connection, like the batch's statements: a relay
-        // woken by every batch commit runs many small rounds.
-        // Both statements go out in one round trip, the lock first. The
-        // session runs the select once the locks are granted (a session's
-        // statements run in turn) and, READ COMMITTED, it sees the cursors
-        // as a previous owner's round left them; its rows of a partition
-        // the lock statement did not take (written or relayed in between)
-        // wait for the next round.
-        let (lock_what, what) = ("locking the relay cursors", "reading the outbox");
-        let lock = statements
-            .prepared(&tx, &sc::relay_lock_sql(s), lock_what)
-            .await?;
-        let select = statements
-            .prepared(&tx, &sc::relay_select_sql(s), what)
-            .await?;
-        let lock_name = sc::outbox_lock_name(s);
-        let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
-            [&partitions, &lock_name];
-        let select_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&partitions, &limit];
-        // `future::join` polls the lock first, so it is sent first.
-        let (locked, rows) = futures_util::future::join(
-            tx.query(&lock, &lock_params),
-            tx.query(&select, &select_params),
-        )
-        .await;
-        let locked: Vec<i32> = locked
-            .map_err(db(lock_what))?
-            .iter()
-            .map(|r| r.try_get(0))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(db(lock_what))?;
-        let rows = rows.map_err(db(what))?;
-        if locked.is_empty() || rows.is_empty() {
-            return Ok(0);
-        }
-        // `try_get`: a column of another type (a hand-altered outbox) is an
-        // error naming the row, not a panic in the relay.
-        let mut cursors: Vec<(i32, i64)> = vec![];
-        let mut events = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let partition: i32 = r
-                .try_get(0)
-                .map_err(db("reading an outbox row's partition"))?;
-            if !locked.contains(&partition) {
-                continue;
+        let mut sent = 0usize;
+        loop {
+            let left = limit - i64::try_from(sent).unwrap_or(i64::MAX);
+            let (n, capped) = self.relay_round(left, partitions, sink).await?;
+            sent += n;
+            if !capped || n == 0 || i64::try_from(sent).unwrap_or(i64::MAX) >= limit {
+                return Ok(sent);
             }
-            let e = SinkEvent {
-                outbox_id: r.try_get(1).map_err(db("reading an outbox row's id"))?,
-                entity: r.try_get(2).map_err(db("reading an outbox row's entity"))?,
-                event: r.try_get(3).map_err(db("reading an outbox row's event"))?,
-            };
-            super::advance_cursor(&mut cursors, partition, e.outbox_id);
-            events.push(e);
         }
-        if events.is_empty() {
-            return Ok(0);
-        }
-        let ids: Vec<i64> = events.iter().map(|e| e.outbox_id).collect();
-        super::send_claimed(sink, &ids, &events)?;
-        failpoint("relay.after_send_before_mark");
-        let (parts, last): (Vec<i32>, Vec<i64>) = cursors.into_iter().unzip();
-        statements
-            .execute(
-                &tx,
-                &sc::relay_mark_sql(s),
-                &[&parts, &last],
-                "moving the relay cursors",
-            )
-            .await?;
-        tx.commit()
-            .await
-            .map_err(db("committing the relay transaction"))?;
-        Ok(ids.len())
     }
 
     async fn relay_lease(&mut self, exclusive: bool) -> Result<bool> {

@@ -62,7 +62,7 @@ SELECT count(*), coalesce(extract(epoch FROM now() - min(o.enqueued_at)) * 1000,
 -- relay: lock the cursors with rows above them, all partitions ($1 null) or owned ones ($2 = 'skein.outbox.skein')
 SELECT p.partition, pg_advisory_xact_lock(hashtext($2), -1 - p.partition)::text FROM (SELECT partition FROM (SELECT partition, last_id FROM (SELECT c.partition, c.last_id, (SELECT id FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT 1) AS first FROM "skein"."relay_cursor" c WHERE ($1::int4[] IS NULL OR c.partition = ANY($1)) OFFSET 0) f WHERE f.first IS NOT NULL ORDER BY f.first LIMIT 64) a ORDER BY partition OFFSET 0) p;
 
--- relay: the rows above the cursors, all partitions ($2 null) or owned ones
+-- relay: the rows above the cursors the round takes ($1 as above; $2 rows)
 SELECT o.partition, o.id, o.entity, o.event FROM (SELECT partition, last_id FROM (SELECT c.partition, c.last_id, (SELECT id FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT 1) AS first FROM "skein"."relay_cursor" c WHERE ($1::int4[] IS NULL OR c.partition = ANY($1)) OFFSET 0) f WHERE f.first IS NOT NULL ORDER BY f.first LIMIT 64) c CROSS JOIN LATERAL (SELECT partition, id, entity, event FROM "skein"."outbox_row" WHERE (partition, id) > (c.partition, c.last_id) AND (partition, id) <= (c.partition, 9223372036854775807) ORDER BY partition, id LIMIT $2) o ORDER BY o.id LIMIT $2;
 
 -- relay: move the cursors
