@@ -593,19 +593,17 @@ impl PgSource {
     }
 
     /// The transactions holding a transaction id on the server now, oldest
-    /// first, and the prepared ones, as one line for a warning; read on `watch`, a connection of
-    /// its own (opened on first use: the source connection is busy creating
-    /// the slot). A failure to read them is said in the line, not raised:
+    /// first, and the prepared ones, as one line for a warning; read on
+    /// `watch`, a connection of its own (opened on first use: the source
+    /// connection is busy creating the slot). A failure to read them is said in the line, not raised:
     /// the creation goes on either way.
     async fn slot_creation_blockers(&self, watch: &mut Option<tokio_postgres::Client>) -> String {
-        if watch.is_none() {
-            match connect(&self.url, "source (watching the slot's creation)").await {
-                Ok(c) => *watch = Some(c),
+        let client = match watch {
+            Some(c) => c,
+            None => match connect(&self.url, "source (watching the slot's creation)").await {
+                Ok(c) => watch.insert(c),
                 Err(e) => return format!("(could not read them: {e})"),
-            }
-        }
-        let Some(client) = watch.as_ref() else {
-            return String::new();
+            },
         };
         match client.query(SLOT_CREATION_BLOCKERS, &[]).await {
             Ok(rows) if rows.is_empty() => {

@@ -473,9 +473,9 @@ pub trait Sidecar {
     /// run again.
     fn rewind(&mut self, rewind: &Rewind) -> impl Future<Output = Result<()>> + Send;
 
-    /// One relay step, one transaction (PostgreSQL: one a round of at most
-    /// 64 partitions, rounds going on while one took that many and the
-    /// limit allows): claims at most `limit` pending
+    /// One relay step, one transaction (PostgreSQL: one for each round of
+    /// at most 64 partitions, further rounds following while the last took
+    /// 64 and the limit allows): claims at most `limit` pending
     /// outbox rows in id order, hands them to `sink` in that order (inside
     /// [`tokio::task::block_in_place`]: a sink may block on a file sync or a
     /// broker acknowledgement), moves each partition's relay cursor to the

@@ -86,10 +86,9 @@ impl PgSidecar {
         sink: &mut dyn Sink,
     ) -> Result<(usize, bool)> {
         let (tx, s, statements) = self.begin("beginning the relay transaction").await?;
-
         // Prepared once per connection, like the batch's statements: a relay
-        // woken by every batch commit runs many small rounds.
-        // Both statements go out in one round trip, the lock first. The
+        // woken by every batch commit runs many small rounds. Both
+        // statements go out in one round trip, the lock first. The
         // session runs the select once the locks are granted (a session's
         // statements run in turn) and, READ COMMITTED, it sees the cursors
         // as a previous owner's round left them; its rows of a partition
@@ -672,12 +671,12 @@ impl Sidecar for PgSidecar {
         if partitions.is_some_and(<[i32]>::is_empty) {
             return Ok(0);
         }
-        let mut sent = 0usize;
+        let (mut sent, mut left) = (0usize, limit);
         loop {
-            let left = limit - i64::try_from(sent).unwrap_or(i64::MAX);
             let (n, capped) = self.relay_round(left, partitions, sink).await?;
             sent += n;
-            if !capped || n == 0 || i64::try_from(sent).unwrap_or(i64::MAX) >= limit {
+            left -= i64::try_from(n).unwrap_or(i64::MAX);
+            if !capped || n == 0 || left <= 0 {
                 return Ok(sent);
             }
         }

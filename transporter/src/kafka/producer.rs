@@ -57,21 +57,29 @@ const FATAL_CHECK: Duration = Duration::from_secs(1);
 
 /// Most bytes of records a pack holds (unless a single record is larger):
 /// far below the message size brokers and librdkafka accept by default
-/// (about 1 MB).
-/// A producer whose `message.max.bytes` is set lower packs at most half
-/// of that.
+/// (about 1 MB). A producer whose `message.max.bytes`, or a topic whose
+/// `max.message.bytes`, is lower packs at most half of that.
 pub const MAX_PACK_BYTES: usize = 256 * 1024;
 
 /// librdkafka's default `batch.size`: most bytes of one record batch.
 const LIBRDKAFKA_BATCH_SIZE: usize = 1_000_000;
 
-/// The bytes of records a pack closes at under `config`: [`MAX_PACK_BYTES`],
-/// or half the producer's `message.max.bytes` when that is less.
-fn pack_bytes(config: &ClientConfig) -> usize {
+/// A librdkafka property of `config` read as a size.
+fn size_property(config: &ClientConfig, name: &str) -> Option<usize> {
     config
-        .get("message.max.bytes")
+        .get(name)
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .map_or(MAX_PACK_BYTES, |m| (m / 2).clamp(1, MAX_PACK_BYTES))
+}
+
+/// The bytes of records a pack closes at under `config` for a topic whose
+/// `max.message.bytes` is `topic_limit`: [`MAX_PACK_BYTES`], or half the
+/// producer's `message.max.bytes` or half the topic's limit when less.
+fn pack_bytes(config: &ClientConfig, topic_limit: Option<usize>) -> usize {
+    [size_property(config, "message.max.bytes"), topic_limit]
+        .into_iter()
+        .flatten()
+        .map(|m| (m / 2).clamp(1, MAX_PACK_BYTES))
+        .fold(MAX_PACK_BYTES, usize::min)
 }
 
 /// The extractor side over Kafka.
@@ -95,15 +103,7 @@ impl KafkaTransport {
         partitions: u32,
         records_per_message: usize,
     ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
-        let mut c = gapless_producer_config(config);
-        c.set("max.in.flight.requests.per.connection", "5");
-        Ok(KafkaTransport {
-            producer: c.create().map_err(kafka("creating the producer"))?,
-            topic: topic.into(),
-            partitions,
-            records_per_message: records_per_message.max(1),
-            pack_bytes: pack_bytes(&c),
-        })
+        KafkaTransport::with_topic_limit(config, topic, partitions, records_per_message, None)
     }
 
     /// [`KafkaTransport::new`] fitted to the topic's own
@@ -121,13 +121,22 @@ impl KafkaTransport {
         records_per_message: usize,
     ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
         let limit = super::admin::topic_max_message_bytes(config, topic).await;
-        let mut c = config.clone();
-        if let Some(limit) = limit {
-            let batch = c
-                .get("batch.size")
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(LIBRDKAFKA_BATCH_SIZE);
-            if limit < batch {
+        KafkaTransport::with_topic_limit(config, topic, partitions, records_per_message, limit)
+    }
+
+    /// [`KafkaTransport::new`] for a topic whose `max.message.bytes` is
+    /// `topic_limit` (see [`KafkaTransport::for_topic`]).
+    fn with_topic_limit(
+        config: &ClientConfig,
+        topic: &str,
+        partitions: u32,
+        records_per_message: usize,
+        topic_limit: Option<usize>,
+    ) -> std::result::Result<KafkaTransport, KafkaTransportError> {
+        let mut c = gapless_producer_config(config);
+        c.set("max.in.flight.requests.per.connection", "5");
+        if let Some(limit) = topic_limit {
+            if limit < size_property(&c, "batch.size").unwrap_or(LIBRDKAFKA_BATCH_SIZE) {
                 tracing::info!(
                     topic,
                     max_message_bytes = limit,
@@ -136,11 +145,13 @@ impl KafkaTransport {
                 c.set("batch.size", limit.to_string());
             }
         }
-        let mut t = KafkaTransport::new(&c, topic, partitions, records_per_message)?;
-        if let Some(limit) = limit {
-            t.pack_bytes = t.pack_bytes.min((limit / 2).max(1));
-        }
-        Ok(t)
+        Ok(KafkaTransport {
+            producer: c.create().map_err(kafka("creating the producer"))?,
+            topic: topic.into(),
+            partitions,
+            records_per_message: records_per_message.max(1),
+            pack_bytes: pack_bytes(&c, topic_limit),
+        })
     }
 
     async fn produce(&self, partition: u32, key: &str, payload: &[u8]) -> Result<DeliveryFuture> {
@@ -298,11 +309,16 @@ mod tests {
     #[test]
     fn packs_close_at_half_a_lower_message_max_bytes() {
         let mut c = ClientConfig::new();
-        assert_eq!(pack_bytes(&c), MAX_PACK_BYTES);
+        assert_eq!(pack_bytes(&c, None), MAX_PACK_BYTES);
         c.set("message.max.bytes", "100000");
-        assert_eq!(pack_bytes(&c), 50_000);
+        assert_eq!(pack_bytes(&c, None), 50_000);
         c.set("message.max.bytes", "10000000");
-        assert_eq!(pack_bytes(&c), MAX_PACK_BYTES);
+        assert_eq!(pack_bytes(&c, None), MAX_PACK_BYTES);
+        // The topic's own limit, when lower, the same way.
+        assert_eq!(pack_bytes(&c, Some(2_000)), 1_000);
+        c.set("message.max.bytes", "1000");
+        assert_eq!(pack_bytes(&c, Some(2_000)), 500);
+        assert_eq!(pack_bytes(&c, Some(10_000_000)), 500);
     }
 
     /// Records delivered are delivered, even when the fatal check fell due
