@@ -1,7 +1,7 @@
 //! Crash injection for tests: `SKEIN_FAILPOINT=<name>` makes the process
 //! abort (like a SIGKILL: no destructors, no flushing) when it reaches the
 //! named point. `SKEIN_FAILPOINT=<name>:<n>` aborts on the n-th time.
-//! `SKEIN_FAILPOINT=<name>:<n>:sleep=<ms>` instead stalls the calling thread
+//! `SKEIN_FAILPOINT=<name>:<n>:sleep=<ms>` instead stalls the calling step
 //! that long on the n-th time (a process paused mid-batch, as by a long GC
 //! or a frozen VM), then carries on; `*` for `<n>` acts every time (a slow
 //! step: `<name>:*:sleep=<ms>`). `SKEIN_FAILPOINT=<name>:<n>:error=<ms>`
@@ -63,16 +63,32 @@ pub fn failpoint_result(name: &str) -> Result<(), String> {
         }
         Action::Sleep(ms) => {
             eprintln!("skein: failpoint `{name}` reached, stalling {ms} ms");
-            std::thread::sleep(std::time::Duration::from_millis(ms));
+            stall(ms);
             eprintln!("skein: failpoint `{name}` resumes");
         }
         Action::Error(ms) => {
             eprintln!("skein: failpoint `{name}` reached, failing in {ms} ms");
-            std::thread::sleep(std::time::Duration::from_millis(ms));
+            stall(ms);
             return Err(format!("failpoint `{name}`"));
         }
     }
     Ok(())
+}
+
+/// Stalls the calling thread `ms` milliseconds: the step that reached the
+/// failpoint is paused, and only it. On a tokio worker, the worker's queued
+/// tasks (its LIFO slot too, which no other worker steals from) move to
+/// another thread first, as a paused step would not hold them up.
+fn stall(ms: u64) {
+    let pause = || std::thread::sleep(std::time::Duration::from_millis(ms));
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(pause)
+        }
+        // Off a runtime, or on a current-thread one, where the thread is all
+        // there is (and `block_in_place` would panic).
+        _ => pause(),
+    }
 }
 
 #[cfg(test)]
@@ -86,5 +102,31 @@ mod tests {
         assert_eq!(parse("a.b:2:sleep=500"), ("a.b", 2, Action::Sleep(500)));
         assert_eq!(parse("a.b:2:error=70"), ("a.b", 2, Action::Error(70)));
         assert_eq!(parse("a.b:*:sleep=5"), ("a.b", 0, Action::Sleep(5)));
+    }
+
+    /// A task stalled at a failpoint pauses that task, not the tasks queued
+    /// behind it on the same worker: a task it has just spawned sits in the
+    /// worker's LIFO slot, which no other worker steals from.
+    #[test]
+    fn a_stall_pauses_only_its_own_task() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (stalled_until, other_ran_at) = runtime.block_on(async {
+            tokio::spawn(async {
+                let other = tokio::spawn(async { std::time::Instant::now() });
+                stall(3_000);
+                let stalled_until = std::time::Instant::now();
+                (stalled_until, other.await.unwrap())
+            })
+            .await
+            .unwrap()
+        });
+        assert!(
+            other_ran_at < stalled_until,
+            "the task spawned before the stall waited for it to end"
+        );
     }
 }
