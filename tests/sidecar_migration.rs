@@ -2,8 +2,9 @@
 //! sidecar (PostgreSQL LSNs in `bigint`, as the previous release wrote it,
 //! kept in `tests/fixtures/sidecar_v2.sql`) becomes version 3 (`numeric`
 //! positions, `source_commit` in display form) and then version 4 (the
-//! fencing `epoch`, 0 for existing rows) with its progress intact, and a
-//! pipeline then resumes from that progress.
+//! fencing `epoch`, 0 for existing rows) with its progress intact, on to
+//! the current version (version 9: no foreign key from the outbox to its
+//! batch), and a pipeline then resumes from that progress.
 
 mod common;
 
@@ -62,6 +63,15 @@ async fn a_version_2_sidecar_is_upgraded_in_place() {
             ("17".into(), None, None, 0),
         ]
     );
+    // Version 9: the outbox's rows reference their batch by no foreign key
+    // (version 2 named it after the table's old name, `outbox`).
+    let keys: Vec<(String, String)> = pairs(
+        &env.db,
+        "SELECT conname::text, pg_get_constraintdef(oid) FROM pg_constraint
+         WHERE contype = 'f' AND conrelid = 'skein.outbox_row'::regclass",
+    )
+    .await;
+    assert_eq!(keys, vec![], "the outbox keeps no foreign key");
     let versions: Vec<i32> = env
         .db
         .query("SELECT version FROM skein.schema_version ORDER BY 1", &[])

@@ -22,7 +22,7 @@ use crate::catalog::{Catalog, ColumnInfo, TableInfo};
 use crate::{quote_ident as qi, quote_literal as ql};
 
 /// Sidecar schema version written by [`sidecar_ddl`].
-pub const SIDECAR_SCHEMA_VERSION: i32 = 8;
+pub const SIDECAR_SCHEMA_VERSION: i32 = 9;
 
 /// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
@@ -369,7 +369,7 @@ END $$;
 CREATE TABLE IF NOT EXISTS {s}."outbox_row" (
   "id"          bigserial   PRIMARY KEY,
   "event_id"    uuid        NOT NULL UNIQUE,
-  "batch_id"    bigint      NOT NULL REFERENCES {s}."batch" ("id"),
+  "batch_id"    bigint      NOT NULL,
   "entity"      text        NOT NULL,
   "key"         text        NOT NULL,
   "partition"   integer     NOT NULL,
@@ -478,6 +478,13 @@ CREATE TABLE IF NOT EXISTS {s}."identifier_mapping" (
 -- sends). A version-7 relay and a version-8 one do not exclude each other,
 -- so every process of a pipeline is upgraded together; one of version 7
 -- started after this migration refuses the sidecar.
+-- Version 9: an outbox row's batch_id is no foreign key any more. A batch's
+-- outbox rows are written in the transaction that inserts its batch row,
+-- and batch rows are never deleted, so the key checked nothing; its check
+-- ran once per event (a trigger and a key-share lock of the batch row), a
+-- third of the outbox insert's cost.
+ALTER TABLE {s}."outbox_row" DROP CONSTRAINT IF EXISTS "outbox_row_batch_id_fkey";
+ALTER TABLE {s}."outbox_row" DROP CONSTRAINT IF EXISTS "outbox_batch_id_fkey";
 INSERT INTO {s}."schema_version" ("version") VALUES ({v}) ON CONFLICT DO NOTHING;
 "#,
         v = SIDECAR_SCHEMA_VERSION

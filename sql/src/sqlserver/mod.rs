@@ -863,7 +863,10 @@ pub fn sidecar_ddl(schema: &str) -> String {
     );
     let _ = write!(
         out,
-        "\nIF NOT EXISTS (SELECT 1 FROM {s}.[schema_version] WHERE [version] = {v})\n    \
+        "\n-- Version 9 changes nothing here: PostgreSQL's outbox_row dropped its\n\
+         -- batch_id foreign key, checked there by a trigger per row; SQL Server\n\
+         -- checks it within the insert's plan.\n\
+         IF NOT EXISTS (SELECT 1 FROM {s}.[schema_version] WHERE [version] = {v})\n    \
          INSERT INTO {s}.[schema_version] ([version]) VALUES ({v});\n",
         v = SIDECAR_SCHEMA_VERSION,
     );

@@ -1,4 +1,4 @@
--- skein sidecar schema (T-SQL), version 8.
+-- skein sidecar schema (T-SQL), version 9.
 IF SCHEMA_ID(N'skein') IS NULL EXEC(N'CREATE SCHEMA [skein]');
 
 IF OBJECT_ID(N'[skein].[schema_version]', N'U') IS NULL
@@ -172,5 +172,8 @@ CREATE TABLE [skein].[identifier_mapping] (
   UNIQUE ([entity], [global_id])
 );
 
-IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 8)
-    INSERT INTO [skein].[schema_version] ([version]) VALUES (8);
+-- Version 9 changes nothing here: PostgreSQL's outbox_row dropped its
+-- batch_id foreign key, checked there by a trigger per row; SQL Server
+-- checks it within the insert's plan.
+IF NOT EXISTS (SELECT 1 FROM [skein].[schema_version] WHERE [version] = 9)
+    INSERT INTO [skein].[schema_version] ([version]) VALUES (9);
