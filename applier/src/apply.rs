@@ -494,7 +494,7 @@ impl<S: Sidecar> Applier<S> {
         }
         let mut total = Applied::default();
         let mut before: Vec<ChangeRecord> = vec![];
-        let mut records = records.into_iter().peekable();
+        let mut records = records.into_owned().into_iter().peekable();
         while let Some(r) = records.next() {
             if r.op != Op::Truncate {
                 before.push(r);

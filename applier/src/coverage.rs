@@ -31,7 +31,7 @@
 //!
 //! Memory is bounded: past [`MAX_KEYS`] aggregates the memory starts over.
 
-use std::collections::HashMap;
+use crate::FastMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -114,7 +114,7 @@ pub fn coverable(c: &Consolidated, current: &Current) -> bool {
 /// The memory: per aggregate, the snapshot it was last decided in.
 #[derive(Debug, Default)]
 pub struct Coverage {
-    by_key: HashMap<(String, RootKey), Arc<Snapshot>>,
+    by_key: FastMap<(String, RootKey), Arc<Snapshot>>,
 }
 
 impl Coverage {
@@ -141,7 +141,7 @@ impl Coverage {
         records: &'r [ChangeRecord],
         now: Instant,
     ) -> std::collections::HashSet<(&'r str, &'r RootKey)> {
-        let mut state: HashMap<(&str, &RootKey), Option<&Snapshot>> = HashMap::new();
+        let mut state: FastMap<(&str, &RootKey), Option<&Snapshot>> = FastMap::default();
         if self.by_key.is_empty() {
             return Default::default();
         }

@@ -1,8 +1,6 @@
 //! Consolidation and versioning: pure decisions over plain data
 //! (nTangle's semantics).
 
-use std::collections::HashMap;
-
 use serde_json::{Map, Value};
 use skein_common::json::etag;
 use skein_common::{ChangePosition, ChangeRecord, Op, RootKey};
@@ -61,7 +59,7 @@ impl Consolidated {
 /// Records must be in position order (the transport guarantees it per key).
 pub fn consolidate(records: &[ChangeRecord]) -> Vec<Consolidated> {
     let mut out: Vec<Consolidated> = vec![];
-    let mut index: HashMap<(&str, &RootKey), usize> = HashMap::new();
+    let mut index: crate::FastMap<(&str, &RootKey), usize> = Default::default();
     for r in records {
         match index.get(&(r.entity.as_str(), &r.root_key)) {
             Some(i) => {

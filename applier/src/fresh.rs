@@ -6,6 +6,7 @@
 //! a rebalance or a replay; this decides, from the stored progress alone,
 //! what of a delivery is applied and what is dropped.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 
 use skein_common::{ChangePosition, ChangeRecord, Checkpoint, Op};
@@ -15,7 +16,7 @@ use crate::sidecar::Progress;
 
 /// What to do with one delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Fresh {
+pub enum Fresh<'a> {
     /// The delivery ends at or before the committed progress: it was
     /// applied already. Nothing is written.
     Applied,
@@ -25,8 +26,9 @@ pub enum Fresh {
     /// Commit a batch: `records` (maybe none, when only the progress,
     /// a data-loss notice or dead letters must be recorded).
     Apply {
-        /// The new records, in delivery order.
-        records: Vec<ChangeRecord>,
+        /// The new records, in delivery order: the delivery's own when
+        /// every one is new (the common case, no copy).
+        records: Cow<'a, [ChangeRecord]>,
         /// How many delivered records were dropped as already applied or
         /// repeated.
         dropped: usize,
@@ -54,7 +56,7 @@ pub enum Fresh {
 /// * Over Kafka a delivery with no new record still commits when it moved
 ///   the offset (so the progress reaches the log end); in-process an empty
 ///   slice writes nothing.
-pub fn fresh(d: &Delivery, committed: Option<&Progress>) -> Fresh {
+pub fn fresh<'a>(d: &'a Delivery, committed: Option<&Progress>) -> Fresh<'a> {
     let floor = committed.map(|p| p.position);
     let by_offset = matches!(d.upper, Checkpoint::Offset(_));
     let upper = d.upper.numeric();
@@ -66,26 +68,41 @@ pub fn fresh(d: &Delivery, committed: Option<&Progress>) -> Fresh {
         return Fresh::Applied;
     }
     let applied_source = committed.and_then(|p| p.source);
-    let mut seen = HashSet::new();
-    let records: Vec<ChangeRecord> = d
+    // Repeats are found by hash; the keys are the source's, so the hasher
+    // is seeded per process (foldhash: several times SipHash's speed on
+    // these short keys).
+    let mut seen =
+        HashSet::with_capacity_and_hasher(d.records.len(), foldhash::fast::RandomState::default());
+    let keep: Vec<bool> = d
         .records
         .iter()
-        .filter(|r| {
+        .map(|r| {
             // A truncate notice whose re-check is under way (it stands
             // at the notice, with a cursor) is taken again, to resume.
             let resumed = r.op == Op::Truncate
                 && committed
                     .is_some_and(|p| p.recheck_after.is_some() && p.source == Some(r.position));
             let after_source = resumed || applied_source.is_none_or(|s| r.position > s);
-            if by_offset {
+            let new = if by_offset {
                 after_source
             } else {
                 after_source && floor.is_none_or(|f| r.position.commit.numeric() > f)
-            }
+            };
+            new && seen.insert((r.position, &r.entity, &r.root_key))
         })
-        .filter(|r| seen.insert((r.position, &r.entity, &r.root_key)))
-        .cloned()
         .collect();
+    let kept = keep.iter().filter(|k| **k).count();
+    let records: Cow<[ChangeRecord]> = match kept == d.records.len() {
+        true => Cow::Borrowed(&d.records),
+        false => Cow::Owned(
+            d.records
+                .iter()
+                .zip(&keep)
+                .filter(|(_, k)| **k)
+                .map(|(r, _)| r.clone())
+                .collect(),
+        ),
+    };
     if !by_offset && floor.is_some_and(|f| upper <= f) && records.is_empty() {
         // Sent again (an extractor that crashed before its marker): its
         // data-loss notice and dead letters were recorded with it.

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 
 use crate::decide::Stored;
+use crate::FastMap;
 
 /// Aggregates remembered per partition at most.
 pub const MAX_KEYS: usize = 50_000;
@@ -24,13 +25,17 @@ pub const MAX_KEYS: usize = 50_000;
 /// stored.
 #[derive(Debug, Default)]
 pub struct KnownVersions {
-    by_key: HashMap<(String, String), Option<Stored>>,
+    /// Entity → key → version: looked up by borrowed names.
+    by_entity: FastMap<String, FastMap<String, Option<Stored>>>,
+    /// Keys held, over every entity.
+    len: usize,
 }
 
 impl KnownVersions {
     /// Forgets everything.
     pub fn clear(&mut self) {
-        self.by_key.clear();
+        self.by_entity.clear();
+        self.len = 0;
     }
 
     /// Of `keys` of `entity`: what is known (each key's version, `None`
@@ -42,8 +47,9 @@ impl KnownVersions {
     ) -> (HashMap<String, Option<Stored>>, Vec<String>) {
         let mut known = HashMap::new();
         let mut unknown = vec![];
+        let of_entity = self.by_entity.get(entity);
         for k in keys {
-            match self.by_key.get(&(entity.to_string(), k.clone())) {
+            match of_entity.and_then(|m| m.get(k)) {
                 Some(v) => {
                     known.insert(k.clone(), v.clone());
                 }
@@ -57,10 +63,18 @@ impl KnownVersions {
     /// by a committed batch).
     pub fn record(&mut self, versions: impl IntoIterator<Item = (String, String, Option<Stored>)>) {
         for (entity, key, v) in versions {
-            if self.by_key.len() >= MAX_KEYS {
-                self.by_key.clear();
+            if self.len >= MAX_KEYS {
+                self.clear();
             }
-            self.by_key.insert((entity, key), v);
+            if self
+                .by_entity
+                .entry(entity)
+                .or_default()
+                .insert(key, v)
+                .is_none()
+            {
+                self.len += 1;
+            }
         }
     }
 }
@@ -103,6 +117,8 @@ mod tests {
     fn memory_is_bounded() {
         let mut k = KnownVersions::default();
         k.record((0..MAX_KEYS + 5).map(|i| ("e".to_string(), i.to_string(), None)));
-        assert!(k.by_key.len() <= MAX_KEYS);
+        let held: usize = k.by_entity.values().map(|m| m.len()).sum();
+        assert_eq!(held, k.len);
+        assert!(held <= MAX_KEYS);
     }
 }

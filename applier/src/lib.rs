@@ -33,6 +33,11 @@ pub mod run;
 pub mod sidecar;
 pub mod sink;
 
+/// The hash map of the per-record paths (coverage, consolidation, known
+/// versions): foldhash, seeded per process, several times SipHash's speed
+/// on the short keys these maps hold (root keys, entity names).
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
 pub use apply::{Applied, Applier};
 pub use error::{Error, Result};
 pub use hydrate::Source;

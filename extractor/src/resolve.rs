@@ -69,7 +69,7 @@ pub enum Resolved {
 /// (`None` = NULL), as the source's change stream gives it (pgoutput's text
 /// format, or SQL Server CDC cells decoded to the same formats). Only key
 /// and join columns are needed.
-pub type RowImage = std::collections::HashMap<String, Option<String>>;
+pub type RowImage = std::collections::HashMap<String, Option<String>, foldhash::fast::RandomState>;
 
 fn take(img: &RowImage, cols: &[String], table: &str) -> Result<Vec<Option<String>>> {
     cols.iter()

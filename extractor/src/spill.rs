@@ -191,7 +191,11 @@ mod tests {
                 table: ("public".into(), "customer".into()),
                 op: Op::Update,
                 old: None,
-                new: Some([("id".to_string(), Some(i.to_string()))].into()),
+                new: Some(
+                    [("id".to_string(), Some(i.to_string()))]
+                        .into_iter()
+                        .collect(),
+                ),
             },
             unchanged: i.is_multiple_of(3).then(|| vec!["notes".to_string()]),
         }
