@@ -114,7 +114,8 @@ pub fn coverable(c: &Consolidated, current: &Current) -> bool {
 /// The memory: per aggregate, the snapshot it was last decided in.
 #[derive(Debug, Default)]
 pub struct Coverage {
-    by_key: FastMap<(String, RootKey), Arc<Snapshot>>,
+    /// Long-lived and keyed by the source's keys: std's SipHash.
+    by_key: std::collections::HashMap<(String, RootKey), Arc<Snapshot>>,
 }
 
 impl Coverage {

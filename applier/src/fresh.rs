@@ -68,9 +68,8 @@ pub fn fresh<'a>(d: &'a Delivery, committed: Option<&Progress>) -> Fresh<'a> {
         return Fresh::Applied;
     }
     let applied_source = committed.and_then(|p| p.source);
-    // Repeats are found by hash; the keys are the source's, so the hasher
-    // is seeded per process (foldhash: several times SipHash's speed on
-    // these short keys).
+    // Repeats are found by hash, in a set this delivery builds and drops
+    // (foldhash, as [`crate::FastMap`]).
     let mut seen =
         HashSet::with_capacity_and_hasher(d.records.len(), foldhash::fast::RandomState::default());
     let keep: Vec<bool> = d

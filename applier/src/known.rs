@@ -16,7 +16,6 @@
 use std::collections::HashMap;
 
 use crate::decide::Stored;
-use crate::FastMap;
 
 /// Aggregates remembered per partition at most.
 pub const MAX_KEYS: usize = 50_000;
@@ -25,8 +24,9 @@ pub const MAX_KEYS: usize = 50_000;
 /// stored.
 #[derive(Debug, Default)]
 pub struct KnownVersions {
-    /// Entity → key → version: looked up by borrowed names.
-    by_entity: FastMap<String, FastMap<String, Option<Stored>>>,
+    /// Entity → key → version: looked up by borrowed names. Long-lived and
+    /// keyed by the source's keys, so std's SipHash (not [`crate::FastMap`]).
+    by_entity: HashMap<String, HashMap<String, Option<Stored>>>,
     /// Keys held, over every entity.
     len: usize,
 }

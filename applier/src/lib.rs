@@ -33,9 +33,11 @@ pub mod run;
 pub mod sidecar;
 pub mod sink;
 
-/// The hash map of the per-record paths (coverage, consolidation, known
-/// versions): foldhash, seeded per process, several times SipHash's speed
-/// on the short keys these maps hold (root keys, entity names).
+/// The hash map of a batch's per-record work (its coverage check, its
+/// consolidation): foldhash, seeded per process, several times SipHash's
+/// speed on the short keys these maps hold. Only for maps a batch builds
+/// and drops: foldhash claims little resistance to keys chosen to collide,
+/// and the keys are the source's, so maps that live on keep std's SipHash.
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 pub use apply::{Applied, Applier};
