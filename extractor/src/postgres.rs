@@ -1245,11 +1245,13 @@ fn handle(
     mut tx: Option<&mut Tx>,
 ) -> Result<()> {
     {
-        let rel = |relations: &HashMap<u32, Relation>, oid: u32| {
-            relations.get(&oid).cloned().ok_or_else(|| {
+        // Borrowed, not cloned: a change's relation is looked up for every
+        // row change, and its column list is copied into nothing.
+        fn rel(relations: &HashMap<u32, Relation>, oid: u32) -> Result<&Relation> {
+            relations.get(&oid).ok_or_else(|| {
                 Error::Decode(format!("pgoutput: change for unknown relation {oid}"))
             })
-        };
+        }
         let change = match msg {
             Message::Relation(r) => {
                 relations.insert(r.oid, r);
@@ -1261,19 +1263,19 @@ fn handle(
                     table: (r.schema.clone(), r.table.clone()),
                     op: Op::Insert,
                     old: None,
-                    new: Some(pgoutput::image(&r, &new)),
+                    new: Some(pgoutput::image(r, &new)),
                 }
             }
             Message::Update { oid, old, new } => {
                 let r = rel(relations, oid)?;
-                let (after, unknown) = pgoutput::after_image(&r, old.as_deref(), &new);
+                let (after, unknown) = pgoutput::after_image(r, old.as_deref(), &new);
                 if let (Some(tx), false) = (tx.as_deref_mut(), unknown.is_empty()) {
                     tx.unchanged.push((tx.changes.len(), unknown));
                 }
                 RawChange {
                     table: (r.schema.clone(), r.table.clone()),
                     op: Op::Update,
-                    old: old.map(|o| pgoutput::image(&r, &o)),
+                    old: old.map(|o| pgoutput::image(r, &o)),
                     new: Some(after),
                 }
             }
@@ -1282,7 +1284,7 @@ fn handle(
                 RawChange {
                     table: (r.schema.clone(), r.table.clone()),
                     op: Op::Delete,
-                    old: Some(pgoutput::image(&r, &old)),
+                    old: Some(pgoutput::image(r, &old)),
                     new: None,
                 }
             }
