@@ -24,7 +24,7 @@ use crate::{quote_ident as qi, quote_literal as ql};
 /// Sidecar schema version written by [`sidecar_ddl`].
 pub const SIDECAR_SCHEMA_VERSION: i32 = 9;
 
-/// Most columns put into one `jsonb_build_object` call (PostgreSQL allows
+/// Most columns put into one `json(b)_build_object` call (PostgreSQL allows
 /// 100 arguments, i.e. 50 pairs); wider rows are built in chunks joined by `||`.
 const JSON_CHUNK: usize = 40;
 
@@ -541,10 +541,34 @@ pub fn json_expr(alias: &str, col: &ColumnInfo) -> String {
     }
 }
 
-/// `jsonb` object of the given columns (chunked for wide tables).
+/// Whether a column's JSON ([`json_expr`]) is the same text whether the
+/// object holding it is built as `json` or as `jsonb`: everything but
+/// floats (`jsonb` holds them as `numeric`, printed with other digits) and
+/// json values (`jsonb` normalises them).
+fn same_as_json(col: &ColumnInfo) -> bool {
+    !matches!(
+        col.type_name.as_str(),
+        "float4" | "float8" | "json" | "jsonb"
+    )
+}
+
+/// JSON object of the given columns. `json_build_object` when one call
+/// holds them all and every one is [`same_as_json`]: it writes its
+/// arguments out as they come, where `jsonb_build_object` builds a binary
+/// value first, and the hydration queries run per row of every batch.
+/// Otherwise `jsonb` (chunked for wide tables, joined with `||`). Once
+/// parsed (keys sorted), both give the same value, so the same events
+/// and etags (`json_safe_column_types_keep_their_events_and_etags`).
 fn json_object(alias: &str, cols: &[&ColumnInfo]) -> String {
     if cols.is_empty() {
         return "'{}'::jsonb".into();
+    }
+    if cols.len() <= JSON_CHUNK && cols.iter().all(|c| same_as_json(c)) {
+        let args: Vec<String> = cols
+            .iter()
+            .map(|c| format!("{}, {}", ql(&c.name), json_expr(alias, c)))
+            .collect();
+        return format!("json_build_object({})", args.join(", "));
     }
     cols.chunks(JSON_CHUNK)
         .map(|chunk| {
@@ -959,4 +983,43 @@ pub fn direct_root_mapping(
         .iter()
         .map(|k| node.on.iter().position(|o| &o.to_column == k))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn col(name: &str, type_name: &str) -> ColumnInfo {
+        ColumnInfo {
+            name: name.into(),
+            data_type: type_name.into(),
+            type_name: type_name.into(),
+            nullable: true,
+        }
+    }
+
+    #[test]
+    fn rows_are_built_as_json_where_it_reads_the_same_as_jsonb() {
+        let (id, note, ratio, doc) = (
+            col("id", "int4"),
+            col("note", "text"),
+            col("ratio", "float8"),
+            col("doc", "jsonb"),
+        );
+        let json = json_object("t0", &[&id, &note]);
+        assert!(json.starts_with("json_build_object("), "{json}");
+        for other in [&ratio, &doc] {
+            let sql = json_object("t0", &[&id, other]);
+            assert!(sql.starts_with("jsonb_build_object("), "{sql}");
+        }
+        let wide: Vec<ColumnInfo> = (0..=JSON_CHUNK)
+            .map(|i| col(&format!("c{i}"), "int4"))
+            .collect();
+        let wide: Vec<&ColumnInfo> = wide.iter().collect();
+        let sql = json_object("t0", &wide);
+        assert!(
+            sql.starts_with("jsonb_build_object(") && sql.contains(" || jsonb_build_object("),
+            "{sql}"
+        );
+    }
 }

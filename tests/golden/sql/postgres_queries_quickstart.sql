@@ -1,18 +1,18 @@
 -- hydrate customer (public.customer)
-SELECT k.ord, '[]' AS link, json_build_object('id', t0."id"::text)::text AS refs, CASE WHEN t0."id" IS NULL THEN NULL ELSE (jsonb_build_object('id', t0."id", 'name', (t0."name")::text, 'email', (t0."email")::text, 'credit_limit', (t0."credit_limit")::text, 'is_deleted', t0."is_deleted", 'row_version', t0."row_version", 'created_at', to_char((t0."created_at") AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')))::text END AS data, COALESCE((t0."is_deleted")::boolean, false) AS is_deleted
+SELECT k.ord, '[]' AS link, json_build_object('id', t0."id"::text)::text AS refs, CASE WHEN t0."id" IS NULL THEN NULL ELSE (json_build_object('id', t0."id", 'name', (t0."name")::text, 'email', (t0."email")::text, 'credit_limit', (t0."credit_limit")::text, 'is_deleted', t0."is_deleted", 'row_version', t0."row_version", 'created_at', to_char((t0."created_at") AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')))::text END AS data, COALESCE((t0."is_deleted")::boolean, false) AS is_deleted
 FROM unnest($1::text[]) WITH ORDINALITY AS k(v0, ord)
 LEFT JOIN "public"."customer" t0 ON t0."id" = k.v0::integer
 ORDER BY k.ord;
 
 -- hydrate addresses (public.address)
-SELECT k.ord, json_build_array(t1."customer_id"::text)::text AS link, json_build_object('id', t1."id"::text)::text AS refs, (jsonb_build_object('id', t1."id", 'customer_id', t1."customer_id", 'kind', (t1."kind")::text, 'city', (t1."city")::text))::text AS data, false AS is_deleted
+SELECT k.ord, json_build_array(t1."customer_id"::text)::text AS link, json_build_object('id', t1."id"::text)::text AS refs, (json_build_object('id', t1."id", 'customer_id', t1."customer_id", 'kind', (t1."kind")::text, 'city', (t1."city")::text))::text AS data, false AS is_deleted
 FROM unnest($1::text[]) WITH ORDINALITY AS k(v0, ord)
 JOIN "public"."customer" t0 ON t0."id" = k.v0::integer
 JOIN "public"."address" t1 ON t1."customer_id" = t0."id"
 ORDER BY k.ord, t1."id";
 
 -- hydrate lines (public.address_line)
-SELECT k.ord, json_build_array(t2."address_id"::text)::text AS link, '{}' AS refs, (jsonb_build_object('address_id', t2."address_id", 'line_no', t2."line_no", 'text', (t2."text")::text))::text AS data, false AS is_deleted
+SELECT k.ord, json_build_array(t2."address_id"::text)::text AS link, '{}' AS refs, (json_build_object('address_id', t2."address_id", 'line_no', t2."line_no", 'text', (t2."text")::text))::text AS data, false AS is_deleted
 FROM unnest($1::text[]) WITH ORDINALITY AS k(v0, ord)
 JOIN "public"."customer" t0 ON t0."id" = k.v0::integer
 JOIN "public"."address" t1 ON t1."customer_id" = t0."id"
@@ -20,7 +20,7 @@ JOIN "public"."address_line" t2 ON t2."address_id" = t1."id"
 ORDER BY k.ord, t2."address_id", t2."line_no";
 
 -- hydrate contacts (public.contact)
-SELECT k.ord, json_build_array(t1."customer_id"::text)::text AS link, '{}' AS refs, (jsonb_build_object('customer_id', t1."customer_id", 'kind', (t1."kind")::text, 'value', (t1."value")::text))::text AS data, false AS is_deleted
+SELECT k.ord, json_build_array(t1."customer_id"::text)::text AS link, '{}' AS refs, (json_build_object('customer_id', t1."customer_id", 'kind', (t1."kind")::text, 'value', (t1."value")::text))::text AS data, false AS is_deleted
 FROM unnest($1::text[]) WITH ORDINALITY AS k(v0, ord)
 JOIN "public"."customer" t0 ON t0."id" = k.v0::integer
 JOIN "public"."contact" t1 ON t1."customer_id" = t0."id"
