@@ -224,9 +224,12 @@ async fn json_safe_column_types_keep_their_events_and_etags() {
     let db = connect(&url).await;
     db.batch_execute(
         "CREATE TYPE mood AS ENUM ('calm', 'wild');
+         CREATE DOMAIN score AS int CHECK (VALUE >= 0);
+         CREATE DOMAIN yes AS boolean;
          CREATE TABLE safe (id int PRIMARY KEY, small smallint, big bigint, neg bigint, amount numeric(20,6),
            note text, label varchar(20), fixed char(5), flag boolean, at timestamptz, local timestamp,
-           day date, uid uuid, raw bytea, feeling mood, tags int[], missing text);",
+           day date, uid uuid, raw bytea, feeling mood, tags int[], missing text, points score,
+           agreed yes, span interval, odd numeric, never timestamptz, cash money);",
     )
     .await
     .unwrap();
@@ -244,7 +247,8 @@ async fn json_safe_column_types_keep_their_events_and_etags() {
         "INSERT INTO safe VALUES (1, -32768, 9223372036854775807, -9223372036854775808, -0.000100,
            E'tab\\there \"q\" back\\\\slash \\u00e9 ctl\\x01 nl\\n✓', 'v ü', 'ab', false,
            '1999-12-31T23:59:59.999999-05:30', '2024-02-29 12:00:00', '0001-01-01',
-           '00000000-0000-0000-0000-000000000000', '\\x', 'wild', '{1,NULL,3}', NULL);
+           '00000000-0000-0000-0000-000000000000', '\\x', 'wild', '{1,NULL,3}', NULL, 2147483647,
+           true, '1 year 2 mons -3 days 04:05:06.7', 'NaN', 'infinity', 12.5);
          INSERT INTO safe (id) VALUES (2);",
     )
     .await;

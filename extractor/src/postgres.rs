@@ -1245,8 +1245,8 @@ fn handle(
     mut tx: Option<&mut Tx>,
 ) -> Result<()> {
     {
-        // Borrowed, not cloned: a change's relation is looked up for every
-        // row change, and its column list is copied into nothing.
+        // Borrowed, not cloned: the relation is looked up for every row
+        // change, and only read.
         fn rel(relations: &HashMap<u32, Relation>, oid: u32) -> Result<&Relation> {
             relations.get(&oid).ok_or_else(|| {
                 Error::Decode(format!("pgoutput: change for unknown relation {oid}"))
