@@ -87,6 +87,31 @@ async fn a_version_2_sidecar_is_upgraded_in_place() {
     );
 }
 
+/// A sidecar created at version 7 or 8 named the outbox's foreign key
+/// after `outbox_row` (version 2's is named after `outbox`, above):
+/// version 9 drops it too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_version_8_sidecar_loses_its_outbox_foreign_key() {
+    let env = Env::new("sidecar_v8_key", |y| y).await;
+    env.skein_ok(&["sidecar", "migrate"]);
+    env.exec(
+        "ALTER TABLE skein.outbox_row ADD FOREIGN KEY (batch_id) REFERENCES skein.batch (id);
+         DELETE FROM skein.schema_version WHERE version > 8;",
+    )
+    .await;
+    let outbox_keys = "SELECT conname::text, pg_get_constraintdef(oid) FROM pg_constraint
+         WHERE contype = 'f' AND conrelid = 'skein.outbox_row'::regclass";
+    let before: Vec<(String, String)> = pairs(&env.db, outbox_keys).await;
+    assert_eq!(
+        before.iter().map(|k| k.0.as_str()).collect::<Vec<_>>(),
+        ["outbox_row_batch_id_fkey"],
+        "the key as versions 7 and 8 created it"
+    );
+    env.skein_ok(&["sidecar", "migrate"]);
+    let after: Vec<(String, String)> = pairs(&env.db, outbox_keys).await;
+    assert_eq!(after, vec![], "version 9 drops it");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pipeline_resumes_across_the_upgrade() {
     let env = Env::new("sidecar_upgrade_run", |y| y).await;
