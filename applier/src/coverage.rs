@@ -31,13 +31,13 @@
 //!
 //! Memory is bounded: past [`MAX_KEYS`] aggregates the memory starts over.
 
-use crate::FastMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use skein_common::{ChangeRecord, RootKey};
 
 use crate::decide::{Consolidated, Current};
+use crate::FastMap;
 
 /// A snapshot is trusted this long after it was taken.
 pub const MAX_AGE: Duration = Duration::from_secs(600);

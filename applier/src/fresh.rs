@@ -7,12 +7,12 @@
 //! what of a delivery is applied and what is dropped.
 
 use std::borrow::Cow;
-use std::collections::HashSet;
 
 use skein_common::{ChangePosition, ChangeRecord, Checkpoint, Op};
 use skein_transporter::Delivery;
 
 use crate::sidecar::Progress;
+use crate::FastSet;
 
 /// What to do with one delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -68,10 +68,8 @@ pub fn fresh<'a>(d: &'a Delivery, committed: Option<&Progress>) -> Fresh<'a> {
         return Fresh::Applied;
     }
     let applied_source = committed.and_then(|p| p.source);
-    // Repeats are found by hash, in a set this delivery builds and drops
-    // (foldhash, as [`crate::FastMap`]).
-    let mut seen =
-        HashSet::with_capacity_and_hasher(d.records.len(), foldhash::fast::RandomState::default());
+    // Repeats are found by hash, in a set this delivery builds and drops.
+    let mut seen = FastSet::with_capacity_and_hasher(d.records.len(), Default::default());
     let keep: Vec<bool> = d
         .records
         .iter()
@@ -90,8 +88,7 @@ pub fn fresh<'a>(d: &'a Delivery, committed: Option<&Progress>) -> Fresh<'a> {
             new && seen.insert((r.position, &r.entity, &r.root_key))
         })
         .collect();
-    let kept = keep.iter().filter(|k| **k).count();
-    let records: Cow<[ChangeRecord]> = match kept == d.records.len() {
+    let records: Cow<[ChangeRecord]> = match keep.iter().all(|k| *k) {
         true => Cow::Borrowed(&d.records),
         false => Cow::Owned(
             d.records

@@ -40,6 +40,9 @@ pub mod sink;
 /// and the keys are the source's, so maps that live on keep std's SipHash.
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
+/// The hash set beside [`FastMap`], for the same kind of use.
+pub(crate) type FastSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+
 pub use apply::{Applied, Applier};
 pub use error::{Error, Result};
 pub use hydrate::Source;

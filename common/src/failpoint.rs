@@ -4,8 +4,8 @@
 //! `SKEIN_FAILPOINT=<name>:<n>:sleep=<ms>` instead stalls the calling step
 //! that long on the n-th time (a batch held up midway, as by a stuck call
 //! or a slow disk, while the process's other tasks go on: a heartbeat, a
-//! consumer's polling, other partitions), then carries on; `*` for `<n>` acts every time (a slow
-//! step: `<name>:*:sleep=<ms>`). `SKEIN_FAILPOINT=<name>:<n>:error=<ms>`
+//! consumer's polling, other partitions), then carries on; `*` for `<n>`
+//! acts every time (a slow step: `<name>:*:sleep=<ms>`). `SKEIN_FAILPOINT=<name>:<n>:error=<ms>`
 //! stalls that long and then fails the step (a point checked with
 //! [`failpoint_result`]; [`failpoint`] carries on).
 //! Costs one environment read per call when unset; the points sit on batch

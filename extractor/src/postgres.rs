@@ -595,8 +595,8 @@ impl PgSource {
     /// The transactions holding a transaction id on the server now, oldest
     /// first, and the prepared ones, as one line for a warning; read on
     /// `watch`, a connection of its own (opened on first use: the source
-    /// connection is busy creating the slot). A failure to read them is said in the line, not raised:
-    /// the creation goes on either way.
+    /// connection is busy creating the slot). A failure to read them is
+    /// said in the line, not raised: the creation goes on either way.
     async fn slot_creation_blockers(&self, watch: &mut Option<tokio_postgres::Client>) -> String {
         let client = match watch {
             Some(c) => c,

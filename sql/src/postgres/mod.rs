@@ -563,21 +563,19 @@ fn json_object(alias: &str, cols: &[&ColumnInfo]) -> String {
     if cols.is_empty() {
         return "'{}'::jsonb".into();
     }
-    if cols.len() <= JSON_CHUNK && cols.iter().all(|c| same_as_json(c)) {
+    // `'name', value` pairs of one call.
+    let call = |function: &str, cols: &[&ColumnInfo]| {
         let args: Vec<String> = cols
             .iter()
             .map(|c| format!("{}, {}", ql(&c.name), json_expr(alias, c)))
             .collect();
-        return format!("json_build_object({})", args.join(", "));
+        format!("{function}({})", args.join(", "))
+    };
+    if cols.len() <= JSON_CHUNK && cols.iter().all(|c| same_as_json(c)) {
+        return call("json_build_object", cols);
     }
     cols.chunks(JSON_CHUNK)
-        .map(|chunk| {
-            let args: Vec<String> = chunk
-                .iter()
-                .map(|c| format!("{}, {}", ql(&c.name), json_expr(alias, c)))
-                .collect();
-            format!("jsonb_build_object({})", args.join(", "))
-        })
+        .map(|chunk| call("jsonb_build_object", chunk))
         .collect::<Vec<_>>()
         .join(" || ")
 }
