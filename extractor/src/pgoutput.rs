@@ -244,7 +244,7 @@ fn decode_body(tag: u8, buf: &mut Bytes) -> Result<Message> {
 /// Turns a tuple into a [`RowImage`] using the relation's column names.
 /// Unchanged TOAST values are left out (only an update's after image has
 /// them: see [`after_image`]).
-pub fn image(rel: &Relation, values: &[Value]) -> RowImage {
+pub fn image(rel: &Relation, values: Vec<Value>) -> RowImage {
     after_image(rel, None, values).0
 }
 
@@ -256,31 +256,34 @@ pub fn image(rel: &Relation, values: &[Value]) -> RowImage {
 /// tuple), or the old key, which PostgreSQL logs when a key column is
 /// stored out of line. What neither has is returned by name, for the
 /// caller to read from the source by key.
+///
+/// The values of `new` move into the image: this runs for every row change.
 pub fn after_image(
     rel: &Relation,
     old: Option<&[Value]>,
-    new: &[Value],
+    new: Vec<Value>,
 ) -> (RowImage, Vec<String>) {
     let mut unknown = vec![];
-    let image = rel
-        .columns
-        .iter()
-        .zip(new)
-        .enumerate()
-        .filter_map(|(i, (c, v))| match v {
-            Value::Null => Some((c.name.clone(), None)),
-            Value::Text(s) => Some((c.name.clone(), Some(s.clone()))),
+    // Sized by the relation: a tuple longer than it (from the wire) is cut
+    // to its columns by the zip below.
+    let cap = new.len().min(rel.columns.len());
+    let mut image = RowImage::with_capacity_and_hasher(cap, Default::default());
+    for (i, (c, v)) in rel.columns.iter().zip(new).enumerate() {
+        let value = match v {
+            Value::Null => None,
+            Value::Text(s) => Some(s),
             Value::Unchanged => match old.and_then(|o| o.get(i)) {
-                Some(Value::Text(s)) => Some((c.name.clone(), Some(s.clone()))),
+                Some(Value::Text(s)) => Some(s.clone()),
                 // A key-only before image sends NULL for every other column:
                 // NULL there says nothing about this one.
                 _ => {
                     unknown.push(c.name.clone());
-                    None
+                    continue;
                 }
             },
-        })
-        .collect();
+        };
+        image.insert(c.name.clone(), value);
+    }
     (image, unknown)
 }
 
@@ -356,7 +359,7 @@ pub(crate) mod tests {
             panic!("{m:?}")
         };
         assert_eq!(oid, 7);
-        let (o, n) = (image(&rel, &old), image(&rel, &new));
+        let (o, n) = (image(&rel, old.clone()), image(&rel, new.clone()));
         assert_eq!(o["customer_id"].as_deref(), Some("10"));
         assert_eq!(n["customer_id"], None);
 
@@ -392,18 +395,22 @@ pub(crate) mod tests {
         let t = |s: &str| Value::Text(s.into());
         let new = [Value::Unchanged, Value::Unchanged, t("b2")];
         // REPLICA IDENTITY FULL: every value is in the before image.
-        let (img, unknown) = after_image(&rel, Some(&[t("1"), t("f"), t("b1")]), &new);
+        let (img, unknown) = after_image(&rel, Some(&[t("1"), t("f"), t("b1")]), new.to_vec());
         assert_eq!(img["id"].as_deref(), Some("1"));
         assert_eq!(img["folder"].as_deref(), Some("f"));
         assert_eq!(img["body"].as_deref(), Some("b2"));
         assert!(unknown.is_empty());
         // The old key only: NULL for the rest says nothing.
-        let (img, unknown) = after_image(&rel, Some(&[t("1"), Value::Null, Value::Null]), &new);
+        let (img, unknown) = after_image(
+            &rel,
+            Some(&[t("1"), Value::Null, Value::Null]),
+            new.to_vec(),
+        );
         assert_eq!(img["id"].as_deref(), Some("1"));
         assert!(!img.contains_key("folder"));
         assert_eq!(unknown, ["folder"]);
         // No before image at all.
-        let (img, unknown) = after_image(&rel, None, &new);
+        let (img, unknown) = after_image(&rel, None, new.to_vec());
         assert_eq!(img.len(), 1);
         assert_eq!(unknown, ["id", "folder"]);
     }
@@ -563,12 +570,12 @@ pub(crate) mod tests {
                         .into(),
                 };
                 match m {
-                    Ok(Message::Insert { new, .. }) => drop(image(&rel, &new)),
+                    Ok(Message::Insert { new, .. }) => drop(image(&rel, new)),
                     Ok(Message::Update { old, new, .. }) => {
-                        drop(after_image(&rel, old.as_deref(), &new))
+                        drop(after_image(&rel, old.as_deref(), new))
                     }
-                    Ok(Message::Delete { old, .. }) => drop(image(&rel, &old)),
-                    Ok(Message::Relation(r)) => drop(image(&r, &vec![Value::Null; 4])),
+                    Ok(Message::Delete { old, .. }) => drop(image(&rel, old)),
+                    Ok(Message::Relation(r)) => drop(image(&r, vec![Value::Null; 4])),
                     _ => {}
                 }
             });

@@ -1263,19 +1263,19 @@ fn handle(
                     table: (r.schema.clone(), r.table.clone()),
                     op: Op::Insert,
                     old: None,
-                    new: Some(pgoutput::image(r, &new)),
+                    new: Some(pgoutput::image(r, new)),
                 }
             }
             Message::Update { oid, old, new } => {
                 let r = rel(relations, oid)?;
-                let (after, unknown) = pgoutput::after_image(r, old.as_deref(), &new);
+                let (after, unknown) = pgoutput::after_image(r, old.as_deref(), new);
                 if let (Some(tx), false) = (tx.as_deref_mut(), unknown.is_empty()) {
                     tx.unchanged.push((tx.changes.len(), unknown));
                 }
                 RawChange {
                     table: (r.schema.clone(), r.table.clone()),
                     op: Op::Update,
-                    old: old.map(|o| pgoutput::image(r, &o)),
+                    old: old.map(|o| pgoutput::image(r, o)),
                     new: Some(after),
                 }
             }
@@ -1284,7 +1284,7 @@ fn handle(
                 RawChange {
                     table: (r.schema.clone(), r.table.clone()),
                     op: Op::Delete,
-                    old: Some(pgoutput::image(r, &old)),
+                    old: Some(pgoutput::image(r, old)),
                     new: None,
                 }
             }

@@ -71,14 +71,19 @@ pub enum Resolved {
 /// and join columns are needed.
 pub type RowImage = std::collections::HashMap<String, Option<String>, foldhash::fast::RandomState>;
 
-fn take(img: &RowImage, cols: &[String], table: &str) -> Result<Vec<Option<String>>> {
-    cols.iter()
+fn take<'a>(
+    img: &RowImage,
+    cols: impl IntoIterator<Item = &'a str>,
+    n: &TableNode,
+) -> Result<Vec<Option<String>>> {
+    cols.into_iter()
         .map(|c| {
             img.get(c).cloned().ok_or_else(|| {
                 Error::Decode(format!(
-                    "the change of {table} does not carry column `{c}`: run `skein sql source` \
+                    "the change of {} does not carry column `{c}`: run `skein sql source` \
                      and apply what it prints (REPLICA IDENTITY and publication on PostgreSQL, \
-                     the capture instance's column list on SQL Server)"
+                     the capture instance's column list on SQL Server)",
+                    n.qualified()
                 ))
             })
         })
@@ -97,23 +102,27 @@ pub fn resolve(
     new: Option<&RowImage>,
 ) -> Result<Resolved> {
     let n = &plan.nodes[node];
-    let table = n.qualified();
+    let root_key = || plan.root_key.iter().map(String::as_str);
     if node == 0 {
-        let new_key = new.map(|i| take(i, &plan.root_key, &table)).transpose()?;
+        let new_key = new.map(|i| take(i, root_key(), n)).transpose()?;
         // pgoutput sends the old key on update only when it changed.
-        let old_key = old.map(|i| take(i, &plan.root_key, &table)).transpose()?;
+        let old_key = old.map(|i| take(i, root_key(), n)).transpose()?;
         let mut out = vec![];
         match op {
             Op::Delete => {
                 let k = old_key.or(new_key).ok_or_else(|| {
-                    Error::Decode(format!("delete of {table} without a before image"))
+                    Error::Decode(format!(
+                        "delete of {} without a before image",
+                        n.qualified()
+                    ))
                 })?;
                 out.push((Op::Delete, RootKey(k)));
             }
             Op::Insert => out.push((Op::Insert, RootKey(new_key.unwrap_or_default()))),
             Op::Truncate => {
                 return Err(Error::Decode(format!(
-                    "a TRUNCATE of {table} names no rows: it is resolved per batch, not per row"
+                    "a TRUNCATE of {} names no rows: it is resolved per batch, not per row",
+                    n.qualified()
                 )))
             }
             Op::Update => {
@@ -129,10 +138,9 @@ pub fn resolve(
         }
         return Ok(Resolved::Roots(out));
     }
-    let join_cols: Vec<String> = n.on.iter().map(|o| o.name.clone()).collect();
     let mut tuples: Vec<Vec<Option<String>>> = vec![];
     for img in [old, new].into_iter().flatten() {
-        let t = take(img, &join_cols, &table)?;
+        let t = take(img, n.on.iter().map(|o| o.name.as_str()), n)?;
         // A NULL join column belongs to no parent.
         if t.iter().any(Option::is_none) || tuples.contains(&t) {
             continue;
@@ -312,8 +320,8 @@ impl BatchResolution {
                 };
                 // Numbers every root key and lookup tuple of the change.
                 let mut cand = 0u32;
+                let table = format!("{}.{}", ch.table.0, ch.table.1);
                 if ch.op == Op::Truncate {
-                    let table = format!("{}.{}", ch.table.0, ch.table.1);
                     // One notice per entity, however many of its nodes
                     // read the table (candidates are numbered, and bounded).
                     let mut entities: Vec<usize> = targets.iter().map(|(pi, _)| *pi).collect();
@@ -333,10 +341,17 @@ impl BatchResolution {
                     seq += 1;
                     continue;
                 }
-                for (pi, node) in targets {
+                let mut table = Some(table);
+                for (i, (pi, node)) in targets.iter().enumerate() {
                     let res = resolve(&plans[*pi], *node, ch.op, ch.old.as_ref(), ch.new.as_ref())?;
                     let slot = out.slots.len();
-                    let table = format!("{}.{}", ch.table.0, ch.table.1);
+                    // The last target takes the name; the others a copy.
+                    let table = if i + 1 == targets.len() {
+                        table.take()
+                    } else {
+                        table.clone()
+                    }
+                    .expect("taken by the last target only");
                     match res {
                         Resolved::Roots(keys) => out.slots.push((
                             ti,
@@ -422,7 +437,11 @@ impl BatchResolution {
             let tx = &txs[ti];
             let mut seen: Vec<(usize, Op, RootKey)> = vec![];
             for (pi, op, key, cand) in keys {
-                if key.has_null() || seen.contains(&(pi, op, key.clone())) {
+                if key.has_null()
+                    || seen
+                        .iter()
+                        .any(|(p, o, k)| (*p, *o) == (pi, op) && *k == key)
+                {
                     continue;
                 }
                 seen.push((pi, op, key.clone()));
