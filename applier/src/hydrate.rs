@@ -809,24 +809,23 @@ impl EntityHydrator {
         for (i, rows) in answers.into_iter().enumerate() {
             let mut out = Vec::with_capacity(rows.len());
             for r in rows {
-                let link: String = r.get(1);
-                let refs: String = r.get(2);
-                let data: Option<String> = r.get(3);
-                let parse = |s: &str, what: &str| {
-                    serde_json::from_str::<Value>(s).map_err(|e| {
-                        Error::Data(format!(
-                            "{}: bad {what} JSON from the source: {e}",
-                            self.nodes[i].qualified()
-                        ))
-                    })
+                // Borrowed from the row, and read straight into their
+                // types: this runs for every row of every hydrated table.
+                let link: &str = r.get(1);
+                let refs: &str = r.get(2);
+                let data: Option<&str> = r.get(3);
+                let bad = |what: &str, e: serde_json::Error| {
+                    Error::Data(format!(
+                        "{}: bad {what} JSON from the source: {e}",
+                        self.nodes[i].qualified()
+                    ))
                 };
-                let link: Vec<Option<String>> = serde_json::from_value(parse(&link, "link")?)
-                    .map_err(|e| Error::Data(e.to_string()))?;
+                let link: Vec<Option<String>> =
+                    serde_json::from_str(link).map_err(|e| bad("link", e))?;
                 let refs: HashMap<String, Option<String>> =
-                    serde_json::from_value(parse(&refs, "refs")?)
-                        .map_err(|e| Error::Data(e.to_string()))?;
+                    serde_json::from_str(refs).map_err(|e| bad("refs", e))?;
                 let data = match data {
-                    Some(d) => parse(&d, "row")?,
+                    Some(d) => serde_json::from_str::<Value>(d).map_err(|e| bad("row", e))?,
                     None => Value::Null,
                 };
                 let etag_input = etag_part(
