@@ -24,18 +24,18 @@ consumer = Consumer({
 })
 parts = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
 consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
-seen, last = set(), time.time()
-while want - seen and time.time() - last < 10:
+missing, last = set(want), time.time()
+while missing and time.time() - last < 10:
     for m in consumer.consume(1000, 0.5):
         if m.error():
             continue
         last = time.time()
         payload = m.value().decode()
         try:
-            seen.add(json.loads(payload)["id"])
+            missing.discard(json.loads(payload)["id"])
         except (ValueError, KeyError, TypeError):
             pass
         sys.stdout.write(f"{m.timestamp()[1]}\t{payload}\n")
 consumer.close()
-if want - seen:
-    print(f"sink-read: {len(want - seen)} of {len(want)} live events not found in {topic}", file=sys.stderr)
+if missing:
+    print(f"sink-read: {len(missing)} of {len(want)} live events not found in {topic}", file=sys.stderr)
