@@ -341,17 +341,11 @@ impl BatchResolution {
                     seq += 1;
                     continue;
                 }
-                let mut table = Some(table);
-                for (i, (pi, node)) in targets.iter().enumerate() {
+                // The last target takes the name; the others a copy.
+                let names = std::iter::repeat_n(table, targets.len());
+                for ((pi, node), table) in targets.iter().zip(names) {
                     let res = resolve(&plans[*pi], *node, ch.op, ch.old.as_ref(), ch.new.as_ref())?;
                     let slot = out.slots.len();
-                    // The last target takes the name; the others a copy.
-                    let table = if i + 1 == targets.len() {
-                        table.take()
-                    } else {
-                        table.clone()
-                    }
-                    .expect("taken by the last target only");
                     match res {
                         Resolved::Roots(keys) => out.slots.push((
                             ti,
