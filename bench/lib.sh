@@ -86,3 +86,8 @@ bench_outbox_latency() {
 }
 
 peak_rss_mib() { awk '/VmHWM/ {printf "%d", $2 / 1024}' "/proc/$1/status"; }
+# cpu_s PID...: each process's CPU seconds so far (user + system); 0.0 for
+# one not seen here (a broker on another host or of another user).
+cpu_s() { local p; for p in "$@"; do awk '{printf "%.1f ", ($14 + $15) / 100}' "/proc/$p/stat" 2>/dev/null || printf '0.0 '; done; }
+# busy: the machine's busy CPU time so far, in ticks.
+busy() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
