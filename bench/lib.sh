@@ -107,22 +107,18 @@ peak_rss_mib() { awk '/VmHWM/ {printf "%d", $2 / 1024}' "/proc/$1/status"; }
 # cpu_s PID...: each process's CPU seconds so far (user + system); 0.0 for
 # one not seen here (a broker on another host or of another user).
 cpu_s() { local p; for p in "$@"; do awk '{printf "%.1f ", ($14 + $15) / 100}' "/proc/$p/stat" 2>/dev/null || printf '0.0 '; done; }
-# sched_s PID: "RAN WAITED", the seconds the process (its main thread) has
-# run on a CPU and has waited in a run queue for one since it started
-# (/proc/PID/schedstat); nothing for one not seen here.
-sched_s() { awk '{printf "%.1f %.1f", $1 / 1e9, $2 / 1e9}' "/proc/$1/schedstat" 2>/dev/null || true; }
-# walsender_sched SLOT: sched_s of the walsender that serves SLOT now.
-walsender_sched() {
-  local p
+# walsender_report SLOT T0 T1: how long the walsender serving SLOT has run
+# on a CPU and has waited in a run queue for one since it started
+# (/proc/PID/schedstat of its process), against the T0..T1 drain; or a
+# note that it was not found here (no walsender active, or a server in a
+# container or on another host, whose pid means nothing here).
+walsender_report() {
+  local p gone="the source's walsender was not found on this host (a server elsewhere, or no walsender active): its CPU time is not known"
   p=$(src -c "SELECT active_pid FROM pg_replication_slots WHERE slot_name = '$1'")
-  # A server in a container or on another host: its pid means nothing here.
-  [ -n "$p" ] && grep -qa walsender "/proc/$p/cmdline" 2>/dev/null && sched_s "$p"
-}
-# walsender_line RAN WAITED SECONDS: the walsender's share of a drain, or a
-# note that it was not found here.
-walsender_line() {
-  if [ -z "${1:-}" ]; then echo "the source's walsender was not found on this host (a server elsewhere, or no walsender active): its CPU time is not known"; return; fi
-  python3 -c "r, w, d = $1, $2, $3; print(f'the source\'s walsender (its logical decoding, single-threaded) ran {r:.1f} s and waited {w:.1f} s for a CPU over the {d:.1f} s drain ({100 * r / d:.0f} % and {100 * w / d:.0f} %)')"
+  if [ -z "$p" ] || ! grep -qa walsender "/proc/$p/cmdline" 2>/dev/null; then echo "$gone"; return; fi
+  awk -v t0="$2" -v t1="$3" '{ r = $1 / 1e9; w = $2 / 1e9; d = t1 - t0
+    printf "the source\047s walsender (its logical decoding, single-threaded) ran %.1f s and waited %.1f s for a CPU over the %.1f s drain (%.0f %% and %.0f %%)\n", r, w, d, 100 * r / d, 100 * w / d }' \
+    "/proc/$p/schedstat" 2>/dev/null || echo "$gone"
 }
 # busy: the machine's busy CPU time so far, in ticks.
 busy() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
